@@ -1,0 +1,1 @@
+"""Cache descriptions (specs), their storage, and the allocators that hand out blocks and slots."""

@@ -1,0 +1,47 @@
+"""Pure descriptions of the cache a layer needs. Layers return these from `cache_spec()`;
+the cache module allocates storage from them and the runner binds views back to the layers."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _elem_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Paged K and V for one attention layer: storage is [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return 2 * block_size * self.num_kv_heads * self.head_dim * _elem_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Fixed-size recurrent state of one layer, per slot: e.g. {"conv": (conv_dim, kernel-1), "ssm": (H, P, N)}.
+
+    A slot holds the whole state of one sequence at one position; its size does not grow with length."""
+
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    dtypes: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> "StateSpec":
+        if set(shapes) != set(dtypes):
+            raise ValueError(f"state spec shapes {sorted(shapes)} and dtypes {sorted(dtypes)} name different states")
+        return cls(tuple(shapes.items()), tuple((k, dtypes[k]) for k in shapes))
+
+    def bytes_per_slot(self) -> int:
+        dt = dict(self.dtypes)
+        return sum(math.prod(shape) * _elem_size(dt[name]) for name, shape in self.shapes)
+
+
+CacheSpec = KVCacheSpec | StateSpec

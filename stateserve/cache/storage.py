@@ -1,0 +1,85 @@
+"""Cache storage: turns layer specs and a memory budget into tensors, and sizes the pools."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stateserve.cache.spec import KVCacheSpec, StateSpec
+
+logger = logging.getLogger("stateserve")
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_blocks: int  # 0 when the model has no attention KV
+    num_slots: int  # 0 when the model has no recurrent state
+    max_num_seqs: int
+    kv_bytes: int
+    state_bytes: int
+
+
+def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], *, budget_bytes: int,
+                block_size: int, max_num_seqs: int, max_model_len: int, num_extra_slots: int = 0) -> CachePlan:
+    """Split one budget: recurrent layers get a slot per running sequence (plus snapshot slots),
+    attention layers get KV blocks from what remains. Block size is never inflated to match states."""
+    slot_bytes = sum(s.bytes_per_slot() for s in state_specs.values())
+    block_bytes = sum(s.bytes_per_block(block_size) for s in kv_specs.values())
+    num_slots = 0
+    if state_specs:
+        # Leave at least half of the budget to KV in hybrids; attention-free models may use all of it.
+        state_budget = budget_bytes // 2 if kv_specs else budget_bytes
+        fit = state_budget // max(slot_bytes, 1)
+        if fit < 1:
+            raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one recurrent-state slot "
+                             f"({slot_bytes} bytes); raise kv_cache_memory_bytes")
+        if fit < max_num_seqs:
+            logger.warning("max_num_seqs=%d lowered to %d: the cache budget holds only %d recurrent-state slots",
+                           max_num_seqs, fit, fit)
+            max_num_seqs = int(fit)
+        num_slots = max_num_seqs + min(num_extra_slots, int(fit) - max_num_seqs)
+    num_blocks = 0
+    if kv_specs:
+        blocks_per_seq = math.ceil(max_model_len / block_size)
+        remaining = budget_bytes - num_slots * slot_bytes
+        num_blocks = min(remaining // block_bytes, max_num_seqs * blocks_per_seq + 1)
+        if num_blocks < 1:
+            raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one KV block "
+                             f"({block_bytes} bytes); raise kv_cache_memory_bytes")
+    return CachePlan(int(num_blocks), int(num_slots), max_num_seqs, int(num_blocks * block_bytes),
+                     int(num_slots * slot_bytes))
+
+
+class CacheStorage:
+    """Owns every cache tensor. Layers only ever see views bound by the runner."""
+
+    def __init__(self, kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], plan: CachePlan,
+                 block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+            name: tuple(torch.zeros(plan.num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+                                    device=device) for _ in range(2))
+            for name, s in kv_specs.items()
+        }
+        self.states: dict[str, dict[str, torch.Tensor]] = {
+            name: {key: torch.zeros(plan.num_slots, *shape, dtype=dict(s.dtypes)[key], device=device)
+                   for key, shape in s.shapes}
+            for name, s in state_specs.items()
+        }
+
+    def zero_slot(self, slot: int) -> None:
+        for layer in self.states.values():
+            for t in layer.values():
+                t[slot].zero_()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        for layer in self.states.values():
+            for t in layer.values():
+                t[dst].copy_(t[src])
+
+    def release(self) -> None:
+        self.kv.clear()
+        self.states.clear()

@@ -1,0 +1,1 @@
+"""The engine loop: requests, the scheduler, the cache manager and detokenisation."""

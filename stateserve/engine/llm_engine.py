@@ -1,0 +1,250 @@
+"""LLMEngine: validates and admits requests, runs scheduler -> runner -> sampler steps, applies stop rules."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from stateserve import envs
+from stateserve.config import EngineConfig, ModelConfig, load_hf_config, read_eos_ids, resolve_dtype
+from stateserve.engine.cache_manager import CacheManager
+from stateserve.engine.detokenizer import Detokenizer, find_stop_string
+from stateserve.engine.request import Request
+from stateserve.engine.scheduler import Scheduler
+from stateserve.models.registry import ModelRegistry
+from stateserve.outputs import CompletionOutput, Logprob, RequestOutput
+from stateserve.runner.input_batch import InputBatch
+from stateserve.runner.model_runner import ModelRunner
+from stateserve.runner.sampler import SampleResult
+from stateserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("stateserve")
+_DEFAULT_RECURRENT_MAX_LEN = 1 << 16
+
+
+def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
+    hf = load_hf_config(cfg.model, cfg.hf_overrides)
+    arch = ModelRegistry.architecture_of(hf)
+    cls = ModelRegistry.resolve(arch)
+    is_af, is_hybrid = bool(getattr(cls, "is_attention_free", False)), bool(getattr(cls, "is_hybrid", False))
+    if hasattr(cls, "resolve_flags"):  # e.g. a hybrid family whose config may turn out all-attention
+        is_af, is_hybrid = cls.resolve_flags(hf)
+    limit = getattr(hf, "max_position_embeddings", None)
+    if limit is None:
+        limit = _DEFAULT_RECURRENT_MAX_LEN if is_af else 2048
+    elif not is_af:
+        from stateserve.layers.rotary import rope_parameters
+
+        rope = rope_parameters(hf)
+        if rope["rope_type"] in ("linear", "dynamic"):  # these stretch the usable context by `factor`
+            limit = int(limit * rope.get("factor", 1.0))
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > limit and not is_af:
+            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        limit = cfg.max_model_len
+    return ModelConfig(path=cfg.model, hf_config=hf, architecture=arch, dtype=resolve_dtype(cfg.dtype, hf, device),
+                       max_model_len=int(limit), vocab_size=int(hf.vocab_size), is_attention_free=is_af,
+                       is_hybrid=is_hybrid, eos_token_ids=read_eos_ids(cfg.model, hf))
+
+
+def load_tokenizer(cfg: EngineConfig) -> Any | None:
+    if cfg.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer or cfg.model
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer {path!r} is not a folder")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
+        envs.enable_envs_cache()
+        logging.getLogger("stateserve").setLevel(envs.STATESERVE_LOG_LEVEL)
+        if envs.STATESERVE_NUM_THREADS > 0:
+            torch.set_num_threads(envs.STATESERVE_NUM_THREADS)
+        self.config = config
+        self.device = config.resolved_device()
+        self.model_config = build_model_config(config, self.device)
+        self.tokenizer = load_tokenizer(config)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(config, self.model_config, self.device)
+        self.runner.load_model(show_progress)
+        self.model_state = self.runner.model_state
+        plan = self.runner.initialize_caches(config.max_num_seqs)
+        self.max_num_seqs = plan.max_num_seqs
+        self.cache = CacheManager(self.runner.block_pool, self.runner.slot_pool, config.block_size)
+        self.scheduler = Scheduler(self.cache, max_num_seqs=plan.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   chunk_size_fn=self.model_state.chunk_size)
+        self.requests: dict[str, Request] = {}
+        self.groups: dict[str, list[Request]] = {}
+        self._counter = itertools.count()
+        self._closed = False
+
+    # ---- requests ------------------------------------------------------------------------------
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(token_ids) > self.model_config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                             f"{self.model_config.max_model_len}")
+        if self.cache.block_pool is not None:
+            needed = -(-len(token_ids) // self.config.block_size)
+            if needed > self.cache.max_blocks():
+                raise ValueError(f"prompt of {len(token_ids)} tokens needs {needed} KV blocks but the cache has "
+                                 f"only {self.cache.max_blocks()}; raise kv_cache_memory_bytes")
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True pass "
+                             "{'prompt_token_ids': [...]}")
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        self._check_open()
+        if not self.model_state.supports_generate:
+            raise ValueError(f"{self.model_config.architecture} does not generate text; use LLM.embed")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        params = params.with_stop_ids(stop_ids)
+        children = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, gen)
+            self.requests[child_id] = req
+            children.append(req)
+            self.scheduler.add(req)
+        self.groups[request_id] = children
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.groups.get(request_id, []):
+            if not req.is_finished:
+                req.finish_reason = "abort"
+                self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[str]:
+        """Run one scheduler step; returns ids of request groups that finished in it."""
+        self._check_open()
+        sched = self.scheduler.schedule()
+        for req in sched.preempted:
+            self.model_state.remove_request(req)
+        for req in sched.admitted:
+            self.model_state.add_request(req)
+        if not sched.requests:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting[0]  # cannot fit even alone: end it rather than spin
+                req.finish_reason = "length"
+                self._finish(req)
+                logger.warning("request %s cannot fit in the cache and was stopped", req.request_id)
+            return self._collect_finished()
+        batch, result = self.runner.execute(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens):
+            req.num_computed_tokens += n
+        if result is not None:
+            self._apply_samples(batch, result)
+        return self._collect_finished()
+
+    def _apply_samples(self, batch: InputBatch, result: SampleResult) -> None:
+        for j, i in enumerate(batch.sample_indices):
+            req = batch.requests[i]
+            token = result.token_ids[j]
+            req.append_token(token)
+            if req.logprobs is not None:
+                req.cumulative_logprob += result.sampled_logprobs[j]
+                ids, vals = result.top_logprobs[j]
+                entry = {t: Logprob(v, r + 1, self.detokenizer.decode_token(t)) for r, (t, v) in
+                         enumerate(zip(ids, vals))}
+                entry[token] = Logprob(result.sampled_logprobs[j], result.sampled_ranks[j],
+                                       self.detokenizer.decode_token(token))
+                req.logprobs.append(entry)
+            self._check_stop(req, token)
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in p._all_stop_token_ids:
+                req.finish_reason = "stop"
+                req.stop_reason = token if token in p.stop_token_ids else None
+            elif p.stop:
+                text = self.detokenizer.decode(req.output_token_ids, p.skip_special_tokens)
+                hit = find_stop_string(text, p.stop, len(req.output_text))
+                req.output_text = text
+                if hit is not None:
+                    req.output_text = text[:hit[0]]
+                    req.finish_reason, req.stop_reason = "stop", hit[1]
+        if req.finish_reason is None and p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is None and req.num_tokens >= self.model_config.max_model_len:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        self.model_state.remove_request(req)
+        self.scheduler.finish(req)
+        if req.finish_reason != "stop" or not req.params.stop or req.stop_reason is None:
+            req.output_text = self.detokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+
+    def _collect_finished(self) -> list[str]:
+        return [gid for gid, reqs in self.groups.items() if all(r.is_finished for r in reqs)]
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def make_output(self, group_id: str) -> RequestOutput:
+        reqs = self.groups[group_id]
+        outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
+                                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                for i, r in enumerate(reqs)]
+        first = reqs[0]
+        return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+                             outputs=outs, finished=all(r.is_finished for r in reqs),
+                             num_cached_tokens=first.num_cached_tokens)
+
+    def pop_output(self, group_id: str) -> RequestOutput:
+        out = self.make_output(group_id)
+        for r in self.groups.pop(group_id):
+            self.requests.pop(r.request_id, None)
+        return out
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine has been shut down; create a new LLM")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self.requests.values()):
+            if not req.is_finished:
+                self.scheduler.finish(req)
+        self.requests.clear()
+        self.groups.clear()
+        self.runner.shutdown()
+        self.model_state = None

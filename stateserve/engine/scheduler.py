@@ -1,0 +1,109 @@
+"""Continuous batching with chunked prefill under a token budget, and preemption by recompute.
+
+Each step: running requests first (decodes and unfinished prefills, in arrival order), then waiting
+ones while the budget, max_num_seqs and the caches allow. When blocks run out for a running request,
+the most recently arrived running request is preempted: its cache is freed and it is recomputed later."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from stateserve.engine.cache_manager import CacheManager
+from stateserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running in this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_size_fn=None) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # model states may restrict chunk ends (e.g. to block boundaries); default: no restriction
+        self.chunk_size_fn = chunk_size_fn or (lambda req, n: n)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _num_new(self, req: Request, budget: int) -> int:
+        return self.chunk_size_fn(req, min(req.num_tokens - req.num_computed_tokens, budget))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.cache.can_allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self.cache.allocate(req, n)
+                out.add(req, n)
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            self.on_admit(req)
+            n = self._num_new(req, budget)
+            if n <= 0 or not self.cache.can_allocate(req, n):
+                self.on_admit_failed(req)
+                break
+            self.waiting.popleft()
+            self.cache.allocate(req, n)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.admitted.append(req)
+            out.add(req, n)
+            budget -= n
+        return out
+
+    def on_admit(self, req: Request) -> None:
+        """Hook for prefix caching: may set req.num_computed_tokens from cached blocks."""
+
+    def on_admit_failed(self, req: Request) -> None:
+        """Hook for prefix caching: undo what on_admit took."""
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request (finished or aborted) wherever it is and free its cache."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        req.status = RequestStatus.FINISHED

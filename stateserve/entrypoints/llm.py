@@ -1,0 +1,114 @@
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)), with vLLM's names."""
+from __future__ import annotations
+
+import atexit
+import time
+import uuid
+import weakref
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from stateserve import envs
+from stateserve.config import EngineConfig
+from stateserve.engine.llm_engine import LLMEngine
+from stateserve.outputs import RequestOutput
+from stateserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.config, show_progress=not envs.STATESERVE_DISABLE_TQDM)
+        # at interpreter exit, free caches and weights even if the user forgot shutdown()
+        atexit.register(_shutdown_ref, weakref.ref(self))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.llm_engine.tokenize(prompt)
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt dict has unsupported key(s): {sorted(unknown)}")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return prompt["prompt"], self.llm_engine.tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        engine = self.llm_engine
+        engine._check_open()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
+            else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
+        tokenized = [self._to_token_ids(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            engine.validate_prompt(ids)
+        ids_in_order = []
+        for (text, ids), p in zip(tokenized, params):
+            rid = uuid.uuid4().hex[:12]
+            engine.add_request(rid, ids, p, prompt=text)
+            ids_in_order.append(rid)
+        return self._run(ids_in_order, use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted, results = set(ids), {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_in, num_out = time.perf_counter(), 0, 0
+        try:
+            while wanted - results.keys():
+                for gid in engine.step():
+                    if gid in wanted and gid not in results:
+                        out = engine.pop_output(gid)
+                        results[gid] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, output: "
+                                            f"{num_out / elapsed:.1f} toks/s")
+                        bar.update(1)
+        except BaseException:
+            for gid in wanted - results.keys():  # interrupted: do not leave half-run requests holding caches
+                engine.abort_request(gid)
+                engine.groups.pop(gid, None)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Free caches, model state and weights; idempotent. `generate` afterwards raises."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _shutdown_ref(ref: "weakref.ref[LLM]") -> None:
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()

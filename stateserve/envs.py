@@ -1,0 +1,86 @@
+"""Every environment variable stateserve reads, declared once: name, type, default, doc.
+
+Values are read lazily on attribute access (`envs.STATESERVE_LOG_LEVEL`). An engine calls
+`enable_envs_cache()` at start-up to freeze them for speed; tests that change `os.environ`
+(e.g. with monkeypatch.setenv) call `disable_envs_cache()` so the new value is seen."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _bool(v: str) -> bool:
+    if v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.strip().lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {v!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    "STATESERVE_LOG_LEVEL": EnvVar(str, "INFO", "Log level of the 'stateserve' logger."),
+    "STATESERVE_RUNNER": EnvVar(str, "default", "default | reference: the reference runner recomputes everything "
+                                                "one request at a time (the oracle for bug reports)."),
+    "STATESERVE_CPU_KV_CACHE_SPACE": EnvVar(float, 4.0, "GiB of cache (KV blocks + state slots) on CPU when "
+                                                        "kv_cache_memory_bytes is not given."),
+    "STATESERVE_NUM_THREADS": EnvVar(int, 0, "torch intra-op threads on CPU; 0 = all cores."),
+    "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
+}
+
+
+def _read(name: str) -> Any:
+    if name not in ENV_VARS:
+        raise AttributeError(f"module 'stateserve.envs' has no attribute {name!r}")
+    var = ENV_VARS[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {e}") from None
+
+
+_getter: Callable[[str], Any] = _read
+
+
+def __getattr__(name: str) -> Any:
+    return _getter(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(ENV_VARS)
+
+
+def is_set(name: str) -> bool:
+    return name in os.environ
+
+
+def enable_envs_cache() -> None:
+    """Freeze every variable's current value (idempotent)."""
+    global _getter
+    if _getter is _read:
+        _getter = functools.cache(_read)
+        for name in ENV_VARS:
+            _getter(name)
+
+
+def disable_envs_cache() -> None:
+    """Read os.environ again on every access."""
+    global _getter
+    _getter = _read
+
+
+def is_cache_enabled() -> bool:
+    return _getter is not _read
+
+

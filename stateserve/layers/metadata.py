@@ -1,0 +1,44 @@
+"""Per-step batch descriptions passed explicitly to every layer (no global context).
+
+Glossary: T = tokens in this step (all sequences, flattened), S = sequences in this step,
+bs = block size. A sequence's chunk is tokens [query_start_loc[i], query_start_loc[i+1]) of the flat batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttnMetadata:
+    query_start_loc: list[int]  # [S + 1] host ints
+    query_lens: list[int]  # [S]
+    context_lens: list[int]  # [S] tokens already in the cache before this step
+    seq_lens: list[int]  # [S] context_lens + query_lens
+    is_decode_only: bool
+    causal: bool = True
+    slot_mapping: torch.Tensor | None = None  # [T] long: block_id * bs + offset where each new K/V goes
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] long; entries past a sequence's blocks are padding
+    seq_lens_t: torch.Tensor | None = None  # [S] long, on device (decode masking)
+    max_seq_len: int = 0
+
+
+@dataclass
+class StateMetadata:
+    query_start_loc: list[int]  # [S + 1]
+    query_lens: list[int]  # [S]
+    slots: torch.Tensor  # [S] long: state slot of each sequence
+    has_initial_state: list[bool]  # [S] False on a sequence's first chunk: start from zeros
+    is_decode_only: bool
+    # Snapshots requested for prefix caching: (sequence index, tokens into its chunk, destination slot).
+    # The state after that many tokens of the chunk is copied into the destination slot.
+    checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class ForwardMeta:
+    num_tokens: int
+    attn: AttnMetadata | None = None
+    state: StateMetadata | None = None
+    # Encoder-decoder models: per-layer cross-attention inputs, filled by their model state.
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,73 @@
+"""Shared pieces of recurrent (Mamba-like) layers: the stateful-layer base and the causal depthwise conv.
+
+A stateful layer declares its per-sequence state with `cache_spec()`; the runner binds a dict of
+tensors [num_slots, *shape] to it; the layer reads and writes rows given by `StateMetadata.slots`.
+Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, C, K-1]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stateserve.cache.spec import StateSpec
+from stateserve.layers.metadata import StateMetadata
+
+
+class StatefulLayer(nn.Module):
+    """Base for layers whose inference state is a fixed-size tensor per sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: dict[str, torch.Tensor] | None = None
+
+    def cache_spec(self) -> StateSpec:
+        raise NotImplementedError
+
+    def bind_cache(self, states: dict[str, torch.Tensor] | None) -> None:
+        self.states = states
+
+    def release(self) -> None:
+        self.states = None
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          prev_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of one sequence's chunk, resuming from `prev_state`.
+
+    x: [L, C]; weight: [C, K]; prev_state: [C, K-1] or None (zeros).
+    Returns y: [L, C] (before activation) and padded input [C, K-1+L] (for states at any offset)."""
+    C, K = weight.shape
+    xt = x.t()  # [C, L]
+    if prev_state is None:
+        prev_state = xt.new_zeros(C, K - 1)
+    padded = torch.cat([prev_state.to(xt.dtype), xt], dim=1)  # [C, K-1+L]
+    y = F.conv1d(padded.unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0)  # [C, L]
+    return y.t(), padded
+
+
+def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:
+    """Conv state after `offset` tokens of a chunk, from the padded input of causal_conv1d_prefill."""
+    return padded[:, offset:offset + kernel_size - 1]
+
+
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence. x: [S, C]; conv_state: [num_slots, C, K-1] updated in place at `slots`."""
+    window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [S, C, K]
+    y = (window * weight.unsqueeze(0)).sum(-1)
+    if bias is not None:
+        y = y + bias
+    conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
+    return y
+
+
+def sequence_chunks(meta: StateMetadata):
+    """Yield (sequence index, start, length, slot, has_initial_state) for each sequence of the step."""
+    slots = meta.slots.tolist()
+    for i, (start, qlen) in enumerate(zip(meta.query_start_loc[:-1], meta.query_lens)):
+        yield i, start, qlen, slots[i], meta.has_initial_state[i]
+
+
+def checkpoints_of(meta: StateMetadata, seq_index: int) -> list[tuple[int, int]]:
+    """(tokens into the chunk, destination slot) snapshots requested for one sequence."""
+    return [(off, dst) for i, off, dst in meta.checkpoints if i == seq_index]

@@ -1,0 +1,91 @@
+"""Rotary position embedding (rotate-half convention), with rope scaling linear / llama3 / dynamic
+computed as transformers defines them. cos/sin tables are cached per module and dropped at shutdown."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if isinstance(legacy, dict):
+        params = {**legacy, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int,
+                 rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.rope_type = params["rope_type"]
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        self.dim = rotary_dim or head_dim
+        self.base = float(params["rope_theta"])
+        self.params = params
+        self.max_position_embeddings = max_position_embeddings
+        self.inv_freq = self._inv_freq(self.base)  # [dim/2] float32
+        self._table: torch.Tensor | None = None  # [max_pos, dim] cos|sin, grown on demand
+
+    def _inv_freq(self, base: float) -> torch.Tensor:
+        inv = 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
+        p = self.params
+        if self.rope_type == "linear":
+            inv = inv / p["factor"]
+        elif self.rope_type == "llama3":
+            factor, lo, hi = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+            old_len = p["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+            smooth = (old_len / wavelen - lo) / (hi - lo)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
+            inv = torch.where(medium, smoothed, scaled)
+        return inv
+
+    def _cos_sin(self, positions: torch.Tensor, seq_lens_per_token: torch.Tensor | None) -> tuple:
+        if self.rope_type == "dynamic" and seq_lens_per_token is not None and \
+                int(seq_lens_per_token.max()) > self.max_position_embeddings:
+            # NTK base grows with the sequence's length once it passes the trained context
+            factor, m = self.params["factor"], self.max_position_embeddings
+            seq = seq_lens_per_token.clamp(min=m).double()
+            base = self.base * ((factor * seq / m) - (factor - 1)) ** (self.dim / (self.dim - 2))
+            exps = torch.arange(0, self.dim, 2, dtype=torch.int64).double() / self.dim
+            inv = (1.0 / (base[:, None].to(positions.device) ** exps.to(positions.device))).float()
+            freqs = positions.float()[:, None] * inv
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 1
+            if self._table is None or self._table.shape[0] < needed or self._table.device != positions.device:
+                size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
+                t = torch.arange(size, dtype=torch.float32, device=positions.device)
+                f = t[:, None] * self.inv_freq.to(positions.device)[None, :]
+                self._table = torch.cat([f.cos(), f.sin()], dim=-1)
+            cs = self._table[positions]
+            return cs[:, : self.dim // 2], cs[:, self.dim // 2:]
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                seq_lens_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, H, D]; k: [T, KH, D]
+        cos, sin = self._cos_sin(positions, seq_lens_per_token)  # [T, dim/2] float32
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :]
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+    def release(self) -> None:
+        self._table = None

@@ -1,0 +1,35 @@
+"""DefaultModelState: decoders with paged KV attention."""
+from __future__ import annotations
+
+import torch
+
+from stateserve.layers.metadata import AttnMetadata, ForwardMeta
+from stateserve.model_states.interface import ModelState
+from stateserve.runner.input_batch import InputBatch
+
+
+def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.device) -> AttnMetadata:
+    slot_mapping: list[int] = []
+    for req, c, q in zip(batch.requests, batch.context_lens, batch.query_lens):
+        blocks = req.block_ids
+        slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    seq_lens = batch.seq_lens
+    max_blocks = max(len(r.block_ids) for r in batch.requests)
+    tables = torch.zeros(len(batch.requests), max_blocks, dtype=torch.long)
+    for i, req in enumerate(batch.requests):
+        tables[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.long)
+    return AttnMetadata(
+        query_start_loc=batch.query_start_loc, query_lens=batch.query_lens, context_lens=batch.context_lens,
+        seq_lens=seq_lens, is_decode_only=batch.is_decode_only,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
+        block_tables=tables.to(device, non_blocking=True),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.long).to(device, non_blocking=True),
+        max_seq_len=max(seq_lens))
+
+
+class DefaultModelState(ModelState):
+    uses_kv_cache = True
+    uses_state_cache = False
+
+    def prepare_meta(self, batch: InputBatch) -> ForwardMeta:
+        return ForwardMeta(batch.num_tokens, attn=build_paged_attn_metadata(batch, self.block_size, self.device))

@@ -1,0 +1,131 @@
+"""Llama and Qwen2 decoders: GQA attention with RoPE, SwiGLU MLP, RMSNorm; Qwen2 adds qkv bias.
+q/k/v and gate/up are fused into one matmul each (checkpoint shards are stacked on load)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stateserve.layers.attention import Attention
+from stateserve.layers.metadata import AttnMetadata, ForwardMeta
+from stateserve.layers.norm import RMSNorm, silu_and_mul
+from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
+from stateserve.models.base import ModelBase, stacked
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def rope_seq_lens(meta: AttnMetadata, device: torch.device) -> torch.Tensor:
+    """[T] the length each token's sequence reaches in this step (dynamic NTK rope needs it)."""
+    return torch.repeat_interleave(torch.tensor(meta.seq_lens, device=device),
+                                   torch.tensor(meta.query_lens, device=device))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        stacked(self.qkv_proj.weight, [q_size, kv_size, kv_size])
+        if qkv_bias:
+            stacked(self.qkv_proj.bias, [q_size, kv_size, kv_size])
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.sizes = [q_size, kv_size, kv_size]
+        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(cfg), cfg.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                rope_lens: torch.Tensor | None) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k, rope_lens)
+        out = self.attn(q, k, v, meta)  # [T, H, D]
+        return self.o_proj(out.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        stacked(self.gate_up_proj.weight, [intermediate, intermediate])
+        if bias:
+            stacked(self.gate_up_proj.bias, [intermediate, intermediate])
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, dtype, qkv_bias, getattr(cfg, "attention_bias", False) and qkv_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, meta, rope_lens):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rope_lens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(ModelBase):
+    qkv_bias_from_config = True
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__(hf_config)
+        cfg = hf_config
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+        qkv_bias = self._qkv_bias(cfg)
+        self.dynamic_rope = rope_parameters(cfg)["rope_type"] == "dynamic"
+        self.model = LlamaModel(cfg, dtype, qkv_bias)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
+            self.tie_weights_()
+
+    @staticmethod
+    def _qkv_bias(cfg: Any) -> bool:
+        return bool(getattr(cfg, "attention_bias", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope_lens = rope_seq_lens(meta.attn, x.device) if self.dynamic_rope else None
+        for layer in self.model.layers:
+            x = layer(x, positions, meta.attn, rope_lens)
+        return self.model.norm(x)
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        if "rotary_emb.inv_freq" in name:
+            return None
+        parts = name.split(".")
+        if len(parts) >= 2:
+            proj = parts[-2]
+            if proj in _QKV:
+                return ".".join(parts[:-2] + ["qkv_proj", parts[-1]]), _QKV[proj]
+            if proj in _GATE_UP:
+                return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), _GATE_UP[proj]
+        return name, None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _qkv_bias(cfg: Any) -> bool:
+        return True

@@ -1,0 +1,51 @@
+"""Architecture name (config.json `architectures[0]`) -> model class, imported lazily."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_BUILTIN: dict[str, str] = {
+    "LlamaForCausalLM": "stateserve.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "stateserve.models.llama:Qwen2ForCausalLM",
+    "MambaForCausalLM": "stateserve.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "stateserve.models.mamba:FalconMambaForCausalLM",
+    "Mamba2ForCausalLM": "stateserve.models.mamba2:Mamba2ForCausalLM",
+}
+
+
+class _ModelRegistry:
+    def __init__(self) -> None:
+        self._entries: dict[str, str | type] = dict(_BUILTIN)
+
+    def register_model(self, architecture: str, model: str | type) -> None:
+        """Register an out-of-tree architecture: a class, or "package.module:ClassName" imported on first use."""
+        if not isinstance(architecture, str) or not architecture:
+            raise ValueError("register_model: architecture must be a non-empty string")
+        if isinstance(model, str) and ":" not in model:
+            raise ValueError(f"register_model: {model!r} must look like 'package.module:ClassName'")
+        self._entries[architecture] = model
+
+    def get_supported_archs(self) -> list[str]:
+        return sorted(self._entries)
+
+    def is_registered(self, architecture: str) -> bool:
+        return architecture in self._entries
+
+    def resolve(self, architecture: str) -> type:
+        entry = self._entries.get(architecture)
+        if entry is None:
+            raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
+                             f"{', '.join(self.get_supported_archs())}")
+        if isinstance(entry, str):
+            module_name, cls_name = entry.split(":")
+            entry = getattr(importlib.import_module(module_name), cls_name)
+        return entry
+
+    def architecture_of(self, hf_config: Any) -> str:
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot choose a model class")
+        return archs[0]
+
+
+ModelRegistry = _ModelRegistry()

@@ -1,0 +1,19 @@
+"""Shared fixtures: tiny random models written with transformers' save_pretrained, and a tiny tokenizer."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("STATESERVE_DISABLE_TQDM", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from utils import make_tokenizer
+
+    return make_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))

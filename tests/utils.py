@@ -1,0 +1,118 @@
+"""Helpers for tests: build tiny decisive random models, run HF greedy, drive the engine for teacher forcing."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A state space model keeps a fixed-size state per sequence.",
+    "Attention reads every previous token from the key value cache.",
+    "def add(a, b):\n    return a + b\n",
+    "Paged memory makes continuous batching cheap.",
+] * 20
+
+
+def make_tokenizer(out_dir: str, vocab_size: int = 300) -> str:
+    """A byte-level BPE tokenizer trained on a few sentences, saved like a Hugging Face folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def decisive_init(model: torch.nn.Module, seed: int = 0) -> None:
+    """Re-draw embeddings and the LM head with std 1 so greedy choices are far apart."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb = model.get_input_embeddings()
+        emb.weight.copy_(torch.randn(emb.weight.shape, generator=gen))
+        head = model.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != emb.weight.data_ptr():
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) / head.weight.shape[1] ** 0.5 * 4)
+
+
+def save_model(hf_model, out_dir: str, tokenizer_dir: str | None = None) -> str:
+    hf_model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir:
+        for f in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    return out_dir
+
+
+def build_hf_model(config_cls, model_cls, seed: int = 0, **cfg):
+    torch.manual_seed(seed)
+    cfg.setdefault("initializer_range", 0.3)
+    config = config_cls(**cfg)
+    model = model_cls(config).eval()
+    decisive_init(model, seed)
+    return model
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generation, one prompt at a time (no padding effects)."""
+    outs = []
+    gc = hf_model.generation_config
+    gc.eos_token_id = None  # the engine runs with ignore_eos; min_new_tokens would instead mask EOS out
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=0, generation_config=gc)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def engine_teacher_forced_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
+    """Feed `token_ids` through the real engine caches in chunks of `chunk` tokens; logits of every position."""
+    from stateserve.engine.request import Request
+    from stateserve.engine.scheduler import SchedulerOutput
+    from stateserve.runner.input_batch import build_input_batch
+    from stateserve.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    runner = engine.runner
+    req = Request("tf", list(token_ids), SamplingParams(max_tokens=1), arrival_index=0)
+    rows = []
+    try:
+        with torch.inference_mode():
+            while req.num_computed_tokens < len(token_ids):
+                n = min(chunk, len(token_ids) - req.num_computed_tokens)
+                engine.cache.allocate(req, n)
+                sched = SchedulerOutput()
+                sched.add(req, n)
+                batch = build_input_batch(sched, runner.device)
+                meta = runner.model_state.prepare_meta(batch)
+                hidden = runner.model(batch.input_ids, batch.positions, meta)
+                rows.append(runner.model.compute_logits(hidden).float())
+                req.num_computed_tokens += n
+    finally:
+        engine.cache.free(req)
+    return torch.cat(rows)
+
+
+def assert_greedy_matches(ours: list[list[int]], ref: list[list[int]], hf_model, prompts, tol: float = 1e-4):
+    """Token-for-token equality, except where transformers' top two logits are within `tol` at the first
+    divergence: then the prefix must agree and the divergence must be a near-tie."""
+    for p, a, b in zip(prompts, ours, ref):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = hf_logits(hf_model, p + b[:k])[-1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < tol, f"greedy diverged at step {k}: ours {a} vs transformers {b}"
