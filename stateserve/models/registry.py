@@ -10,6 +10,13 @@ _BUILTIN: dict[str, str] = {
     "MambaForCausalLM": "stateserve.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "stateserve.models.mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "stateserve.models.mamba2:Mamba2ForCausalLM",
+    "JambaForCausalLM": "stateserve.models.jamba:JambaForCausalLM",
+    "BambaForCausalLM": "stateserve.models.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "stateserve.models.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": "stateserve.models.falcon_h1:FalconH1ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "stateserve.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "Zamba2ForCausalLM": "stateserve.models.zamba2:Zamba2ForCausalLM",
+    "Qwen3NextForCausalLM": "stateserve.models.qwen3_next:Qwen3NextForCausalLM",
 }
 
 
