@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 _BUILTIN: dict[str, str] = {
@@ -32,15 +33,23 @@ class _ModelRegistry:
             raise ValueError(f"register_model: {model!r} must look like 'package.module:ClassName'")
         self._entries[architecture] = model
 
+    def _available(self, entry: str | type) -> bool:
+        if not isinstance(entry, str):
+            return True
+        try:  # an entry whose module is not present in this build is not offered
+            return importlib.util.find_spec(entry.split(":")[0]) is not None
+        except ModuleNotFoundError:
+            return False
+
     def get_supported_archs(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(a for a, e in self._entries.items() if self._available(e))
 
     def is_registered(self, architecture: str) -> bool:
-        return architecture in self._entries
+        return architecture in self._entries and self._available(self._entries[architecture])
 
     def resolve(self, architecture: str) -> type:
         entry = self._entries.get(architecture)
-        if entry is None:
+        if entry is None or not self._available(entry):
             raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
                              f"{', '.join(self.get_supported_archs())}")
         if isinstance(entry, str):
