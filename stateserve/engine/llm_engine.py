@@ -89,6 +89,9 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self._counter = itertools.count()
         self._closed = False
+        self.last_updated: list[str] = []  # group ids that got a new token (or finished) in the last step
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+                      "prefix_cache_hits": 0, "preemptions": 0}
 
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -129,9 +132,10 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, gen)
+            req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, request_id, gen)
             self.requests[child_id] = req
             children.append(req)
+            self.stats["prompt_tokens"] += len(prompt_token_ids)
             self.scheduler.add(req)
         self.groups[request_id] = children
 
@@ -148,7 +152,9 @@ class LLMEngine:
     def step(self) -> list[str]:
         """Run one scheduler step; returns ids of request groups that finished in it."""
         self._check_open()
+        self.last_updated = []
         sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:
             self.model_state.remove_request(req)
         for req in sched.admitted:
@@ -168,10 +174,13 @@ class LLMEngine:
         return self._collect_finished()
 
     def _apply_samples(self, batch: InputBatch, result: SampleResult) -> None:
+        updated = dict.fromkeys(self.last_updated)
         for j, i in enumerate(batch.sample_indices):
             req = batch.requests[i]
             token = result.token_ids[j]
             req.append_token(token)
+            self.stats["generation_tokens"] += 1
+            updated[req.group_id] = None
             if req.logprobs is not None:
                 req.cumulative_logprob += result.sampled_logprobs[j]
                 ids, vals = result.top_logprobs[j]
@@ -181,6 +190,7 @@ class LLMEngine:
                                        self.detokenizer.decode_token(token))
                 req.logprobs.append(entry)
             self._check_stop(req, token)
+        self.last_updated = list(updated)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

@@ -23,6 +23,7 @@ class Request:
     params: SamplingParams
     arrival_index: int
     prompt: str | None = None
+    group_id: str = ""  # the user's request id; differs from request_id only when n > 1
     generator: torch.Generator | None = None  # only for requests with their own seed
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -38,6 +39,7 @@ class Request:
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
