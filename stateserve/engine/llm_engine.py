@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from stateserve import envs
+from stateserve.cache.prefix import SnapshotIndex
 from stateserve.config import EngineConfig, ModelConfig, load_hf_config, read_eos_ids, resolve_dtype
 from stateserve.engine.cache_manager import CacheManager
 from stateserve.engine.detokenizer import Detokenizer, find_stop_string
@@ -23,6 +24,7 @@ from stateserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("stateserve")
 _DEFAULT_RECURRENT_MAX_LEN = 1 << 16
+_MAX_SNAPSHOT_SLOTS = 1024
 
 
 def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
@@ -79,9 +81,20 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.device)
         self.runner.load_model(show_progress)
         self.model_state = self.runner.model_state
-        plan = self.runner.initialize_caches(config.max_num_seqs)
+        self.prefix_caching = (config.enable_prefix_caching if config.enable_prefix_caching is not None
+                               else self.model_state.default_prefix_caching())
+        self.mamba_cache_mode = self._resolve_mamba_cache_mode()
+        num_snapshot_slots = 0
+        if self.model_state.uses_state_cache and self.mamba_cache_mode != "none":
+            num_snapshot_slots = min(_MAX_SNAPSHOT_SLOTS, config.max_num_seqs * 64)
+        plan = self.runner.initialize_caches(config.max_num_seqs, num_snapshot_slots)
         self.max_num_seqs = plan.max_num_seqs
-        self.cache = CacheManager(self.runner.block_pool, self.runner.slot_pool, config.block_size)
+        snapshots = None
+        if self.runner.snapshot_pool is not None:
+            snapshots = SnapshotIndex(self.runner.snapshot_pool, self.runner.storage.copy_slot)
+        self.cache = CacheManager(self.runner.block_pool, self.runner.slot_pool, config.block_size,
+                                  prefix_caching=self.prefix_caching, snapshots=snapshots)
+        self.model_state.attach_cache(self.cache, self.mamba_cache_mode)
         self.scheduler = Scheduler(self.cache, max_num_seqs=plan.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    chunk_size_fn=self.model_state.chunk_size)
@@ -92,6 +105,14 @@ class LLMEngine:
         self.last_updated: list[str] = []  # group ids that got a new token (or finished) in the last step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "preemptions": 0}
+
+    def _resolve_mamba_cache_mode(self) -> str:
+        mode = self.config.mamba_cache_mode
+        if not self.model_state.uses_state_cache or not self.prefix_caching:
+            if mode not in (None, "none") and self.model_state.uses_state_cache:
+                logger.warning("mamba_cache_mode=%s ignored: prefix caching is off", mode)
+            return "none"
+        return mode or "all"  # see docs/prefix_caching.md for why 'all' is the default
 
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -166,9 +187,16 @@ class LLMEngine:
                 self._finish(req)
                 logger.warning("request %s cannot fit in the cache and was stopped", req.request_id)
             return self._collect_finished()
-        batch, result = self.runner.execute(sched)
+        try:
+            batch, result = self.runner.execute(sched)
+        except BaseException:
+            self.model_state.on_step_failed()
+            raise
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
+            self.cache.publish_blocks(req)
+        self.stats["prefix_cache_queries"] = self.cache.num_queried_tokens
+        self.stats["prefix_cache_hits"] = self.cache.num_hit_tokens
         if result is not None:
             self._apply_samples(batch, result)
         return self._collect_finished()

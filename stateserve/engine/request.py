@@ -37,6 +37,12 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    # prefix cache bookkeeping (owned by CacheManager)
+    cache_extra: bytes = b""  # folded into every block key: anything besides tokens that changes the cache
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    restore_key: bytes | None = None  # snapshot to load into the state slot when it is allocated
+    prefix_matched: bool = False
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

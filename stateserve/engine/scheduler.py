@@ -72,10 +72,10 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            self.on_admit(req)
+            self.cache.match_prefix(req)
             n = self._num_new(req, budget)
             if n <= 0 or not self.cache.can_allocate(req, n):
-                self.on_admit_failed(req)
+                self.cache.unmatch(req)
                 break
             self.waiting.popleft()
             self.cache.allocate(req, n)
@@ -86,15 +86,9 @@ class Scheduler:
             budget -= n
         return out
 
-    def on_admit(self, req: Request) -> None:
-        """Hook for prefix caching: may set req.num_computed_tokens from cached blocks."""
-
-    def on_admit_failed(self, req: Request) -> None:
-        """Hook for prefix caching: undo what on_admit took."""
-
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -49,5 +49,11 @@ class ModelState(ABC):
     def after_step(self, batch: "InputBatch") -> None:
         """Called after the forward (e.g. to publish state snapshots that are now written)."""
 
+    def attach_cache(self, cache, mamba_cache_mode: str) -> None:
+        """Receive the engine's CacheManager once caches exist (default: not needed)."""
+
+    def on_step_failed(self) -> None:
+        """The forward raised: forget anything prepared for publication in this step."""
+
     def release(self) -> None:
         """Drop per-request buffers at shutdown."""

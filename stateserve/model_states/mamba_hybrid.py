@@ -1,5 +1,11 @@
 """MambaHybridModelState: attention-free models (Mamba, Mamba2) and hybrids (attention + recurrent layers).
-Recurrent layers read and write their state slot; attention layers, if any, use paged KV."""
+
+Recurrent layers read and write one state slot per running sequence; attention layers, if any, use paged KV.
+With prefix caching, this state decides where recurrent snapshots are taken (mamba_cache_mode):
+  all   - at every block boundary a chunk passes (interior boundaries are emitted by the scan itself);
+  align - only at the last block boundary of each chunk, and non-final chunks end on block boundaries
+          (or where the prompt stops matching what earlier requests computed, so the shared part gets one).
+Snapshots are reserved before the forward and published only after it, so nothing reads a partial state."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +22,49 @@ class MambaHybridModelState(DefaultModelState):
         super().__init__(*args, **kwargs)
         # attention-free models have no KV at all; hybrids have both
         self.uses_kv_cache = not self.model_config.is_attention_free
+        self.cache = None  # CacheManager, attached by the engine
+        self.mode = "none"
+        self._post_copies: list[tuple[int, int]] = []  # (running slot, snapshot slot) copied after the forward
+
+    def attach_cache(self, cache, mamba_cache_mode: str) -> None:
+        self.cache = cache
+        self.mode = mamba_cache_mode if cache.snapshots is not None else "none"
+
+    def chunk_size(self, req, num_tokens: int) -> int:
+        if self.mode != "align" or req.num_computed_tokens + num_tokens >= req.num_tokens:
+            return num_tokens
+        bs, start = self.block_size, req.num_computed_tokens
+        end = start + num_tokens
+        known = self.cache.known_prefix_blocks(req) * bs
+        if start < known < end:
+            return known - start  # end the chunk where sharing with earlier requests stops
+        aligned = end // bs * bs - start
+        if aligned > 0:
+            return aligned
+        # less budget than one block this step: wait for a fuller step unless blocks are bigger than any step
+        return 0 if self.engine_config.max_num_batched_tokens >= bs else num_tokens
+
+    def _plan_snapshots(self, batch: InputBatch) -> list[tuple[int, int, int]]:
+        checkpoints: list[tuple[int, int, int]] = []
+        self._post_copies = []
+        if self.mode == "none":
+            return checkpoints
+        bs, snaps = self.block_size, self.cache.snapshots
+        for i, (req, ctx, q) in enumerate(zip(batch.requests, batch.context_lens, batch.query_lens)):
+            first, last = ctx // bs + 1, (ctx + q) // bs
+            if last < first:
+                continue
+            keys = self.cache.keys(req, last)
+            for b in (range(first, last + 1) if self.mode == "all" else [last]):
+                slot = snaps.reserve(keys[b - 1])
+                if slot is None:
+                    continue
+                offset = b * bs - ctx
+                if offset == q:  # state at the chunk's end: a plain copy after the step
+                    self._post_copies.append((req.state_slot, slot))
+                else:
+                    checkpoints.append((i, offset, slot))
+        return checkpoints
 
     def prepare_meta(self, batch: InputBatch) -> ForwardMeta:
         slots = [r.state_slot for r in batch.requests]
@@ -24,6 +73,23 @@ class MambaHybridModelState(DefaultModelState):
         state = StateMetadata(
             query_start_loc=batch.query_start_loc, query_lens=batch.query_lens,
             slots=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
-            has_initial_state=[c > 0 for c in batch.context_lens], is_decode_only=batch.is_decode_only)
+            has_initial_state=[c > 0 for c in batch.context_lens], is_decode_only=batch.is_decode_only,
+            checkpoints=self._plan_snapshots(batch))
         attn = build_paged_attn_metadata(batch, self.block_size, self.device) if self.uses_kv_cache else None
         return ForwardMeta(batch.num_tokens, attn=attn, state=state)
+
+    def after_step(self, batch: InputBatch) -> None:
+        if self.mode == "none":
+            return
+        for src, dst in self._post_copies:
+            self.cache.snapshots.copy_slot(src, dst)
+        self._post_copies = []
+        self.cache.snapshots.publish_pending()
+
+    def on_step_failed(self) -> None:
+        self._post_copies = []
+        if self.cache is not None and self.cache.snapshots is not None:
+            self.cache.snapshots.drop_pending()
+
+    def release(self) -> None:
+        self.cache = None

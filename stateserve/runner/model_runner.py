@@ -34,6 +34,7 @@ class ModelRunner:
         self.storage: CacheStorage | None = None
         self.block_pool: BlockPool | None = None
         self.slot_pool: SlotPool | None = None
+        self.snapshot_pool: SlotPool | None = None  # slots past the running ones hold prefix snapshots
         self.sampler = Sampler(engine_config.seed, device)
         self.graph_manager = None  # CUDA graphs (see issue on lifecycle); released first at shutdown
 
@@ -100,7 +101,11 @@ class ModelRunner:
         for name, states in self.storage.states.items():
             modules[name].bind_cache(states)
         self.block_pool = BlockPool(plan.num_blocks) if kv_specs else None
-        self.slot_pool = SlotPool(plan.num_slots, self.storage.zero_slot) if state_specs else None
+        if state_specs:
+            self.slot_pool = SlotPool(plan.max_num_seqs, self.storage.zero_slot)
+            num_snapshot_slots = plan.num_slots - plan.max_num_seqs
+            if num_snapshot_slots > 0:
+                self.snapshot_pool = SlotPool(num_snapshot_slots, self.storage.zero_slot, first=plan.max_num_seqs)
         return plan
 
     # ---- one step ------------------------------------------------------------------------------
@@ -127,7 +132,7 @@ class ModelRunner:
             self.model.release_caches()
         if self.storage is not None:
             self.storage.release()
-        self.storage = self.block_pool = self.slot_pool = None
+        self.storage = self.block_pool = self.slot_pool = self.snapshot_pool = None
         if self.model_state is not None:
             self.model_state.release()
         self.model_state = None
