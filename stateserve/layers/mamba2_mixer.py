@@ -1,0 +1,231 @@
+"""The Mamba2 mixer as a stateful layer, and the gated RMSNorm it ends with.
+
+Parameter names follow transformers' Mamba2Mixer (in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj), so a
+model maps checkpoint tensors 1:1. Data flow for T tokens:
+    in_proj -> [gate z | x B C | dt]; causal depthwise conv + activation over (x B C); dt = clamp(softplus(dt +
+    dt_bias), time_step_limit); SSD scan (layers/ssd.py) with D skip; gated RMSNorm(y, z); out_proj.
+State per sequence: conv [conv_dim, conv_kernel-1] (model dtype) and ssm [num_heads, head_dim, state_size] (float32).
+
+Hooks for the hybrids that reuse this mixer (all read by transformers in the same place as here):
+- Bamba, GraniteMoeHybrid: same arithmetic; in/out bias = mamba_proj_bias, conv bias = mamba_conv_bias,
+  eps = rms_norm_eps, dt_bias init ones (`dt_bias_init=1.0`).
+- NemotronH: intermediate = mamba_num_heads * mamba_head_dim (always the case here), activation =
+  mamba_hidden_act, time_step_limit = (time_step_min, inf), norm group = intermediate // n_groups (default).
+- Zamba2: n_groups = mamba_ngroups, conv bias always on, norm eps fixed 1e-5, in/out bias = add_bias_linear,
+  time_step_limit = (time_step_min, inf), dt_bias init ones.
+- FalconH1: intermediate = mamba_d_ssm (must still be num_heads * head_dim), `out_proj_bias` = projectors_bias
+  (in_proj uses mamba_proj_bias), `use_norm=False` when mamba_rms_norm is off (then y * silu(z)),
+  `norm_before_gate` = mamba_norm_before_gate, `zxbcdt_multipliers` = ssm_multipliers (transformers' mup_vector,
+  applied to the in_proj output). ssm_in_multiplier scales the mixer input: the caller applies it.
+transformers' single-token (generate-time) path skips the time_step_limit clamp that its prefill applies. We clamp
+on every path so results do not depend on batching; `clamp_dt_on_decode=False` reproduces transformers' decode
+arithmetic instead (only matters when time_step_limit[0] > 0 or the upper limit is finite)."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stateserve.cache.spec import StateSpec
+from stateserve.layers.metadata import StateMetadata
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
+                                         conv_state_at, sequence_chunks)
+from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over groups of `group_size` channels, gated by silu(z), computed in float32.
+
+    norm_before_gate=False (Mamba2 and most hybrids): normalize(y * silu(z)) * weight.
+    norm_before_gate=True (FalconH1 option): normalize(y) * weight * silu(z)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6, norm_before_gate: bool = False) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"gated norm: hidden size {hidden_size} is not a multiple of group size {group_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # y, gate: [T, hidden_size]
+        dtype = y.dtype
+        h = y.float()
+        if not self.norm_before_gate:
+            h = h * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = grouped.view(h.shape)
+        if self.norm_before_gate:
+            return (self.weight * h * F.silu(gate.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Mamba2Mixer(StatefulLayer):
+    def __init__(self, *, hidden_size: int, num_heads: int, head_dim: int, state_size: int, n_groups: int = 1,
+                 conv_kernel: int = 4, chunk_size: int = 256, intermediate_size: int | None = None,
+                 use_conv_bias: bool = True, use_bias: bool = False, out_proj_bias: bool | None = None,
+                 activation: str = "silu", norm_eps: float = 1e-5, norm_group_size: int | None = None,
+                 norm_before_gate: bool = False, use_norm: bool = True,
+                 time_step_limit: Sequence[float] = (0.0, float("inf")), clamp_dt_on_decode: bool = True,
+                 time_step_min: float = 1e-3, time_step_max: float = 0.1, time_step_floor: float = 1e-4,
+                 dt_bias_init: float | None = None, zxbcdt_multipliers: Sequence[float] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        inner = num_heads * head_dim
+        if intermediate_size is not None and intermediate_size != inner:
+            raise ValueError(f"mamba2 mixer: intermediate size {intermediate_size} must equal num_heads * head_dim "
+                             f"= {num_heads} * {head_dim}")
+        if n_groups < 1 or num_heads % n_groups:
+            raise ValueError(f"mamba2 mixer: num_heads {num_heads} is not a multiple of n_groups {n_groups}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"mamba2 mixer: activation {activation!r} is not supported "
+                             f"(supported: {', '.join(sorted(_ACTIVATIONS))})")
+        if chunk_size < 1 or conv_kernel < 2:
+            raise ValueError(f"mamba2 mixer: chunk_size ({chunk_size}) must be >= 1 and conv_kernel "
+                             f"({conv_kernel}) >= 2")
+        if len(time_step_limit) != 2:
+            raise ValueError(f"mamba2 mixer: time_step_limit must be (min, max), got {time_step_limit!r}")
+        self.num_heads, self.head_dim, self.n_groups, self.state_size = num_heads, head_dim, n_groups, state_size
+        self.intermediate_size = inner
+        self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
+        self.conv_dim = inner + 2 * n_groups * state_size
+        self.act = _ACTIVATIONS[activation]
+        self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.clamp_dt_on_decode = clamp_dt_on_decode
+        self.dtype = dtype
+
+        self.in_proj = nn.Linear(hidden_size, inner + self.conv_dim + num_heads, bias=use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
+                                padding=conv_kernel - 1, bias=use_conv_bias)
+        # 1-D parameters get real initial values: dummy-weight runs keep them (see models/loader.py).
+        self.dt_bias = nn.Parameter(self._initial_dt_bias(time_step_min, time_step_max, time_step_floor,
+                                                          dt_bias_init))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = (GatedRMSNorm(inner, norm_group_size or inner // n_groups, norm_eps, norm_before_gate)
+                     if use_norm else None)
+        self.out_proj = nn.Linear(inner, hidden_size, bias=use_bias if out_proj_bias is None else out_proj_bias)
+        scale = None
+        if zxbcdt_multipliers is not None:
+            gn = n_groups * state_size
+            sizes = [inner, inner, gn, gn, num_heads]  # z | x | B | C | dt sections of the in_proj output
+            if len(zxbcdt_multipliers) != 5:
+                raise ValueError(f"zxbcdt_multipliers needs 5 values (z, x, B, C, dt), got {zxbcdt_multipliers!r}")
+            scale = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, zxbcdt_multipliers)])
+        self.in_proj_scale: torch.Tensor | None
+        self.register_buffer("in_proj_scale", scale, persistent=False)  # not a checkpoint tensor
+
+    def _initial_dt_bias(self, dt_min: float, dt_max: float, dt_floor: float, const: float | None) -> torch.Tensor:
+        if const is not None:
+            return torch.full((self.num_heads,), float(const))
+        # Mamba2's init: dt log-uniform in [dt_min, dt_max], stored as softplus^-1(dt).
+        dt = torch.exp(torch.rand(self.num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_floor)
+        return dt + torch.log(-torch.expm1(-dt))
+
+    def cache_spec(self) -> StateSpec:
+        return StateSpec.of({"conv": (self.conv_dim, self.conv_kernel - 1),
+                             "ssm": (self.num_heads, self.head_dim, self.state_size)},
+                            {"conv": self.dtype, "ssm": torch.float32})
+
+    # ---- shared pieces -------------------------------------------------------------------------
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+
+    def _step_sizes(self, dt: torch.Tensor, clamp: bool) -> torch.Tensor:
+        """dt: [T, H] raw projection -> softplus(dt + dt_bias), clamped; in the model dtype like transformers."""
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        if clamp:
+            dt = torch.clamp(dt, min=self.time_step_limit[0], max=self.time_step_limit[1])
+        return dt.float()
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, conv_dim] -> x [T, H, P], B [T, G, N], C [T, G, N]."""
+        gn = self.n_groups * self.state_size
+        x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
+        return (x.reshape(-1, self.num_heads, self.head_dim), B.reshape(-1, self.n_groups, self.state_size),
+                C.reshape(-1, self.n_groups, self.state_size))
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """hidden_states: [T, hidden] -> [T, hidden]; reads and writes this layer's state rows at meta.slots."""
+        if self.states is None:
+            raise RuntimeError("Mamba2Mixer has no bound state cache")
+        dtype = hidden_states.dtype
+        proj = self.in_proj(hidden_states)  # [T, I + conv_dim + H]
+        if self.in_proj_scale is not None:
+            proj = proj * self.in_proj_scale
+        gate, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        A = -torch.exp(self.A_log.float())  # [H]
+        if meta.is_decode_only:
+            y = self._decode(xbc, dt, A, meta)
+        else:
+            y = self._prefill(xbc, dt, A, meta)
+        y = y.reshape(-1, self.intermediate_size)  # [T, I] float32
+        if self.norm is not None:
+            y = self.norm(y, gate)
+        else:
+            y = y * F.silu(gate.float())
+        return self.out_proj(y.to(dtype))
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """Each sequence's chunk: conv resuming from its conv state, then the chunked SSD scan. -> [T, H, P]"""
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        weight, bias = self._conv_weight(), self.conv1d.bias
+        dt = self._step_sizes(dt, clamp=True)
+        out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
+        for i, start, qlen, slot, has_initial in sequence_chunks(meta):
+            if qlen == 0:
+                continue
+            end = start + qlen
+            conv_out, padded = causal_conv1d_prefill(xbc[start:end], weight, bias,
+                                                     conv_states[slot] if has_initial else None)
+            x, B, C = self._split_xbc(self.act(conv_out))
+            ssm = ssm_states[slot] if has_initial else None
+            # Requested snapshots split the scan into segments, each resuming from the previous one's state.
+            snapshots = checkpoints_of(meta, i)
+            cuts = sorted({off for off, _ in snapshots if 0 < off < qlen}) + [qlen]
+            state_after: dict[int, torch.Tensor] = {}
+            seg_start = 0
+            for cut in cuts:
+                seg = slice(seg_start, cut)
+                out[start + seg_start:start + cut], ssm = ssd_chunk_scan(
+                    x[seg], dt[start + seg_start:start + cut], A, B[seg], C[seg], self.chunk_size, self.D, ssm)
+                state_after[cut] = ssm
+                seg_start = cut
+            for off, dst in snapshots:
+                if not 0 < off <= qlen:
+                    raise ValueError(f"state checkpoint offset {off} outside the chunk of {qlen} tokens")
+                conv_states[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
+                ssm_states[dst].copy_(state_after[off])
+            conv_states[slot].copy_(conv_state_at(padded, qlen, self.conv_kernel))
+            ssm_states[slot].copy_(ssm)
+        return out
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """One token per sequence, all sequences in one batched update. -> [S, H, P]"""
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        slots = meta.slots
+        fresh = [i for i, has in enumerate(meta.has_initial_state) if not has]
+        if fresh:  # first token of a one-token prompt: start from zeros, whatever the slot holds
+            idx = slots[torch.tensor(fresh, device=slots.device)]
+            conv_states.index_fill_(0, idx, 0)
+            ssm_states.index_fill_(0, idx, 0)
+        conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots)
+        x, B, C = self._split_xbc(self.act(conv_out))
+        dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
+        y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
+        ssm_states.index_copy_(0, slots, new_state)
+        for i, off, dst in meta.checkpoints:
+            if off != 1:
+                raise ValueError(f"state checkpoint offset {off} in a decode step (one token per sequence)")
+            conv_states[dst].copy_(conv_states[slots[i]])
+            ssm_states[dst].copy_(ssm_states[slots[i]])
+        return y

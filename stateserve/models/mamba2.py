@@ -1,0 +1,80 @@
+"""Mamba2ForCausalLM: embeddings, pre-norm blocks of one Mamba2 mixer each, final RMSNorm, LM head.
+
+Weight names are transformers' (backbone.embeddings, backbone.layers.N.{norm, mixer.*}, backbone.norm_f, lm_head);
+older checkpoints that call the embeddings `backbone.embedding` load too. With residual_in_fp32 the residual stream
+is kept in float32 and each block's norm sees it cast back to the model dtype, as in transformers."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stateserve.layers.mamba2_mixer import Mamba2Mixer
+from stateserve.layers.metadata import ForwardMeta, StateMetadata
+from stateserve.layers.norm import RMSNorm
+from stateserve.models.base import ModelBase
+
+
+def mamba2_mixer_from_config(cfg: Any, dtype: torch.dtype) -> Mamba2Mixer:
+    intermediate = int(cfg.expand * cfg.hidden_size)
+    if intermediate != cfg.num_heads * cfg.head_dim:
+        raise ValueError(f"Mamba2 config: hidden_size * expand ({intermediate}) must equal num_heads * head_dim "
+                         f"({cfg.num_heads * cfg.head_dim})")
+    return Mamba2Mixer(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, head_dim=cfg.head_dim, state_size=cfg.state_size,
+        n_groups=cfg.n_groups, conv_kernel=cfg.conv_kernel, chunk_size=cfg.chunk_size,
+        intermediate_size=intermediate, use_conv_bias=cfg.use_conv_bias, use_bias=cfg.use_bias,
+        activation=cfg.hidden_act, norm_eps=cfg.layer_norm_epsilon,
+        time_step_limit=tuple(cfg.time_step_limit), time_step_min=cfg.time_step_min,
+        time_step_max=cfg.time_step_max, time_step_floor=cfg.time_step_floor, dtype=dtype)
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = mamba2_mixer_from_config(cfg, dtype)
+        self.residual_in_fp32 = bool(cfg.residual_in_fp32)
+
+    def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        # x: [T, hidden], model dtype or float32 (residual stream)
+        residual = x.float() if self.residual_in_fp32 else x
+        mixed = self.mixer(self.norm(x.to(self.norm.weight.dtype)), meta)
+        return residual + mixed
+
+
+class Mamba2Backbone(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Mamba2Block(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class Mamba2ForCausalLM(ModelBase):
+    is_attention_free = True
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__(hf_config)
+        self.backbone = Mamba2Backbone(hf_config, dtype)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if getattr(hf_config, "tie_word_embeddings", False):
+            self.tied_params = {"lm_head.weight": "backbone.embeddings.weight"}
+            self.tie_weights_()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        if meta.state is None:
+            raise RuntimeError("Mamba2ForCausalLM needs state metadata (ForwardMeta.state)")
+        x = self.backbone.embeddings(input_ids)  # [T, hidden]
+        for layer in self.backbone.layers:
+            x = layer(x, meta.state)
+        return self.backbone.norm_f(x)  # [T, hidden]; float32 when residual_in_fp32
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        if name.startswith("backbone.embedding."):
+            name = "backbone.embeddings." + name[len("backbone.embedding."):]
+        return name, None
