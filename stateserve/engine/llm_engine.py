@@ -1,6 +1,7 @@
 """LLMEngine: validates and admits requests, runs scheduler -> runner -> sampler steps, applies stop rules."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -78,7 +79,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(config, self.model_config, self.device)
+        self.reference = envs.STATESERVE_RUNNER == "reference"
+        if envs.STATESERVE_RUNNER not in ("default", "reference"):
+            raise ValueError(f"STATESERVE_RUNNER must be default or reference, got {envs.STATESERVE_RUNNER!r}")
+        if self.reference:  # one request at a time, full recompute, no cache reuse
+            from stateserve.runner.reference_runner import ReferenceRunner
+
+            config = dataclasses.replace(config, max_num_seqs=1, enable_prefix_caching=False)
+            self.config = config
+        runner_cls = ReferenceRunner if self.reference else ModelRunner
+        self.runner = runner_cls(config, self.model_config, self.device)
         self.runner.load_model(show_progress)
         self.model_state = self.runner.model_state
         self.prefix_caching = (config.enable_prefix_caching if config.enable_prefix_caching is not None

@@ -1,0 +1,91 @@
+"""Lifecycle: load logging, idempotent shutdown that returns memory, cached environment settings, and the
+reference runner agreeing with the default one on every supported model kind."""
+from __future__ import annotations
+
+import gc
+import logging
+import random
+
+import pytest
+
+from stateserve import LLM, SamplingParams, envs
+from prefix_models import BUILDERS, model_path
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return model_path("llama", tmp_path_factory)
+
+
+def test_load_logs_memory_and_time(llama_path, caplog):
+    with caplog.at_level(logging.INFO, logger="stateserve"):
+        LLM(llama_path, skip_tokenizer_init=True).shutdown()
+    text = caplog.text
+    assert "Model loading took" in text and "GiB memory and" in text and "seconds" in text
+    assert "Available KV cache memory" in text and "KV blocks" in text
+
+
+def test_shutdown_cycles_keep_memory_flat(llama_path):
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    kw = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20, load_format="dummy",
+              hf_overrides={"hidden_size": 256, "intermediate_size": 512})
+    for _ in range(2):  # warm up allocator and lazy imports
+        with LLM(llama_path, **kw) as llm:
+            llm.generate(prompt, params)
+    gc.collect()
+    base = rss_bytes()
+    for _ in range(10):
+        llm = LLM(llama_path, **kw)
+        llm.generate(prompt, params)
+        llm.shutdown()
+        llm.shutdown()
+    gc.collect()
+    # ten engines each holding a 64 MiB cache would add 640 MiB if anything leaked
+    assert rss_bytes() - base < 48 << 20
+
+
+def test_envs_cache(monkeypatch):
+    monkeypatch.setenv("STATESERVE_CPU_KV_CACHE_SPACE", "1.5")
+    envs.disable_envs_cache()
+    assert envs.STATESERVE_CPU_KV_CACHE_SPACE == 1.5
+    envs.enable_envs_cache()
+    monkeypatch.setenv("STATESERVE_CPU_KV_CACHE_SPACE", "2.5")
+    assert envs.STATESERVE_CPU_KV_CACHE_SPACE == 1.5  # frozen
+    envs.disable_envs_cache()
+    assert envs.STATESERVE_CPU_KV_CACHE_SPACE == 2.5
+    monkeypatch.setenv("STATESERVE_DISABLE_TQDM", "maybe")
+    with pytest.raises(ValueError, match="STATESERVE_DISABLE_TQDM"):
+        envs.STATESERVE_DISABLE_TQDM
+    with pytest.raises(AttributeError):
+        envs.STATESERVE_NO_SUCH_VARIABLE
+    assert "STATESERVE_RUNNER" in dir(envs)
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_reference_runner_agrees(kind, tmp_path_factory, monkeypatch):
+    path = model_path(kind, tmp_path_factory)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(n)]} for n in (1, 7, 23, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16) as llm:
+        fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setenv("STATESERVE_RUNNER", "reference")
+    envs.disable_envs_cache()
+    try:
+        with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16) as ref_llm:
+            assert type(ref_llm.llm_engine.runner).__name__ == "ReferenceRunner"
+            ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, params)]
+            ref_llm.llm_engine.check_integrity()
+    finally:
+        monkeypatch.delenv("STATESERVE_RUNNER")
+        envs.disable_envs_cache()
+    assert fast == ref
