@@ -89,3 +89,22 @@ def test_reference_runner_agrees(kind, tmp_path_factory, monkeypatch):
         monkeypatch.delenv("STATESERVE_RUNNER")
         envs.disable_envs_cache()
     assert fast == ref
+
+
+def test_max_num_seqs_lowered_with_warning(llama_path, caplog):
+    block_bytes = 2 * 16 * 2 * 8 * 4 * 2  # K+V, 16 tokens, 2 kv heads of 8 dims, fp32, 2 layers
+    with caplog.at_level(logging.WARNING, logger="stateserve"):
+        with LLM(llama_path, skip_tokenizer_init=True, max_num_seqs=64,
+                 kv_cache_memory_bytes=10 * block_bytes) as llm:
+            assert llm.llm_engine.max_num_seqs == 10
+            out = llm.generate([{"prompt_token_ids": [5] * 20}] * 12, SamplingParams(max_tokens=4))
+            assert len(out) == 12
+    assert "max_num_seqs=64 lowered to 10" in caplog.text
+
+
+def test_prompt_that_can_never_fit_is_rejected(llama_path):
+    block_bytes = 2 * 16 * 2 * 8 * 4 * 2
+    with LLM(llama_path, skip_tokenizer_init=True, kv_cache_memory_bytes=3 * block_bytes) as llm:
+        with pytest.raises(ValueError, match="needs 4 KV blocks"):
+            llm.generate([{"prompt_token_ids": [5] * 60}])
+        assert len(llm.generate([{"prompt_token_ids": [5] * 20}])) == 1

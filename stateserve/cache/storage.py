@@ -48,6 +48,10 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
         if num_blocks < 1:
             raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one KV block "
                              f"({block_bytes} bytes); raise kv_cache_memory_bytes")
+        if num_blocks < max_num_seqs:  # every running sequence holds at least one block
+            logger.warning("max_num_seqs=%d lowered to %d: the cache budget holds only %d KV blocks",
+                           max_num_seqs, num_blocks, num_blocks)
+            max_num_seqs = int(num_blocks)
     return CachePlan(int(num_blocks), int(num_slots), max_num_seqs, int(num_blocks * block_bytes),
                      int(num_slots * slot_bytes))
 
