@@ -1,0 +1,243 @@
+"""Mamba1 selective state space: the chunked parallel scan for prefill, the fused one-step decode update,
+and the `MambaMixer` stateful layer (Mamba, FalconMamba, and Jamba's Mamba layers).
+
+Per channel d and state index n: h_t = exp(dt_t[d] * A[d, n]) * h_{t-1} + dt_t[d] * B_t[n] * u_t[d],
+y_t[d] = sum_n C_t[n] * h_t[d, n] + D[d] * u_t[d], gated by silu(z_t).
+Glossary: L = tokens of one sequence's chunk, D = intermediate_size (d_inner), N = state_size, S = sequences.
+
+Dtypes follow transformers exactly: dt gets its bias and softplus in the model dtype, the recurrence runs in
+float32 and C . h is a model-dtype matmul; prefill (its `mamba_selective_scan`) then does the D skip and the gate
+in float32, decode (its `selective_state_update`) in the model dtype. The ssm state is stored in float32
+because it accumulates over the whole sequence."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stateserve.cache.spec import StateSpec
+from stateserve.layers.metadata import StateMetadata
+from stateserve.layers.norm import RMSNorm
+from stateserve.layers.recurrent import StatefulLayer, causal_conv1d_prefill, checkpoints_of, conv_state_at
+
+# Elements of one [Q, D, N] float32 scan temporary; the scan chunk Q is chosen to stay under it.
+SCAN_BUDGET_ELEMENTS = 1 << 23
+MIN_SCAN_CHUNK, MAX_SCAN_CHUNK = 16, 256
+
+
+def scan_chunk_size(d_inner: int, d_state: int) -> int:
+    """Tokens per scan chunk: the largest power of two in [16, 256] whose [Q, D, N] tensor fits the budget."""
+    fit = max(1, SCAN_BUDGET_ELEMENTS // (d_inner * d_state))
+    q = 1 << int(math.floor(math.log2(fit)))
+    return max(MIN_SCAN_CHUNK, min(MAX_SCAN_CHUNK, q))
+
+
+def _inclusive_scan_(decay: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Hillis-Steele scan over dim 0 of the linear recurrence h_t = decay_t * h_{t-1} + inputs_t, in place.
+
+    decay, inputs: [Q, D, N]. Afterwards decay[t] = prod(decay[0..t]) and inputs[t] = h_t for h_{-1} = 0,
+    in log2(Q) whole-chunk steps; each step combines element t with element t - step."""
+    q = decay.shape[0]
+    step = 1
+    while step < q:
+        # the products are computed into fresh tensors before the in-place writes, so overlapping
+        # slices read the values of the previous step
+        carried = decay[step:] * inputs[:-step]
+        inputs[step:] += carried
+        del carried
+        decay[step:] = decay[step:] * decay[:-step]
+        step *= 2
+
+
+def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                           h0: torch.Tensor | None, snapshot_offsets: Sequence[int] = (),
+                           chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Selective scan of one sequence's chunk, resuming from state h0, chunk by chunk.
+
+    u: [L, D] model dtype (conv output); dt: [L, D] after bias and softplus (used in float32); A: [D, N] float32;
+    B, C: [L, N] model dtype; h0: [D, N] float32 or None (zeros).
+    Returns y = C . h in u's dtype [L, D] (no D skip, no gate), the final state [D, N] float32 and the state
+    after each requested offset (1 <= offset <= L). Only [Q, D, N] temporaries exist at any time."""
+    L, d_inner = u.shape
+    d_state = A.shape[1]
+    q = chunk_size or scan_chunk_size(d_inner, d_state)
+    y = u.new_empty(L, d_inner)
+    h = h0.float() if h0 is not None else A.new_zeros(d_inner, d_state)
+    snapshots: dict[int, torch.Tensor] = {}
+    for start in range(0, L, q):
+        end = min(start + q, L)
+        dt_c = dt[start:end].float()  # [Q, D]
+        decay = torch.exp(A[None] * dt_c[:, :, None])  # [Q, D, N]
+        # (dt * B) * u: the same association as transformers
+        inputs = dt_c[:, :, None] * B[start:end, None, :].float()
+        inputs *= u[start:end, :, None].float()
+        _inclusive_scan_(decay, inputs)
+        states = torch.addcmul(inputs, decay, h[None])  # [Q, D, N]: h_t including the carried state
+        del decay, inputs
+        y[start:end] = torch.matmul(states.to(u.dtype), C[start:end, :, None].to(u.dtype)).squeeze(-1)
+        for off in snapshot_offsets:
+            if start < off <= end:
+                snapshots[off] = states[off - start - 1].clone()
+        h = states[-1].clone()
+        del states
+    return y, h, snapshots
+
+
+def selective_state_update(ssm_state: torch.Tensor, slots: torch.Tensor, u: torch.Tensor, dt_raw: torch.Tensor,
+                           dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                           D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """One token for each of S sequences, batched. ssm_state: [num_slots, D, N] float32, updated at `slots`.
+
+    u, dt_raw (before bias), z: [S, D]; B, C: [S, N]; A: [D, N] float32. Returns the gated output [S, D]."""
+    dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
+    dt32 = dt.float()[:, :, None]
+    h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
+    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    y = torch.matmul(h.to(C.dtype), C[:, :, None]).squeeze(-1)  # [S, D]
+    y = y + u * D.to(u.dtype)
+    return y * F.silu(z)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """FalconMamba's parameter-free RMS norm on dt, B and C: normalised in float32, cast back."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class MambaMixer(StatefulLayer):
+    """The Mamba1 block's mixer: in_proj -> causal conv + silu -> selective SSM gated by silu(z) -> out_proj.
+
+    Parameter names follow transformers (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj and, with a
+    B/C/dt norm, dt_layernorm / b_layernorm / c_layernorm). State per slot: conv [D, K-1] in the model
+    dtype and ssm [D, N] in float32.
+    bcdt_norm: None (Mamba), "weightless" (FalconMamba) or "weighted" (Jamba: RMSNorms with weights)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, state_size: int, conv_kernel: int,
+                 time_step_rank: int, use_conv_bias: bool, use_bias: bool, bcdt_norm: str | None = None,
+                 rms_eps: float = 1e-6, dtype: torch.dtype = torch.float32, activation: str = "silu") -> None:
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba mixer: hidden_act={activation!r} is not supported (only 'silu')")
+        if bcdt_norm not in (None, "weightless", "weighted"):
+            raise ValueError(f"Mamba mixer: unknown bcdt_norm {bcdt_norm!r}")
+        self.intermediate_size, self.state_size = intermediate_size, state_size
+        self.conv_kernel, self.time_step_rank = conv_kernel, time_step_rank
+        self.dtype = dtype
+        self.scan_chunk = scan_chunk_size(intermediate_size, state_size)
+        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
+        # depthwise conv weights in transformers' nn.Conv1d layout [D, 1, K]; the conv runs functionally
+        self.conv1d = nn.Conv1d(intermediate_size, intermediate_size, conv_kernel, groups=intermediate_size,
+                                bias=use_conv_bias, padding=conv_kernel - 1)
+        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
+        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
+        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        # S4D-real init (A = -[1..N]) and dt in [1e-3, 0.1]: what random (dummy) weights keep for stability
+        a = torch.arange(1, state_size + 1, dtype=torch.float32).expand(intermediate_size, -1)
+        self.A_log = nn.Parameter(torch.log(a).contiguous())
+        self.D = nn.Parameter(torch.ones(intermediate_size))
+        with torch.no_grad():
+            dt = torch.exp(torch.linspace(math.log(1e-3), math.log(0.1), intermediate_size))
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.bcdt_norm = bcdt_norm
+        if bcdt_norm == "weightless":
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (WeightlessRMSNorm(rms_eps) for _ in range(3))
+        elif bcdt_norm == "weighted":
+            self.dt_layernorm = RMSNorm(time_step_rank, rms_eps)
+            self.b_layernorm = RMSNorm(state_size, rms_eps)
+            self.c_layernorm = RMSNorm(state_size, rms_eps)
+
+    def cache_spec(self) -> StateSpec:
+        return StateSpec.of({"conv": (self.intermediate_size, self.conv_kernel - 1),
+                             "ssm": (self.intermediate_size, self.state_size)},
+                            {"conv": self.dtype, "ssm": torch.float32})
+
+    # ---- pieces shared by prefill and decode ----------------------------------------------------
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.squeeze(1)  # [D, K]
+
+    def _ssm_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u: [T, D] conv output -> dt before bias [T, D], B [T, N], C [T, N], all in the model dtype."""
+        dt_low, B, C = self.x_proj(u).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
+        if self.bcdt_norm is not None:
+            dt_low, B, C = self.dt_layernorm(dt_low), self.b_layernorm(B), self.c_layernorm(C)
+        return F.linear(dt_low, self.dt_proj.weight), B, C
+
+    def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        if self.states is None:
+            raise RuntimeError("MambaMixer: no state cache is bound")
+        u, z = self.in_proj(x).chunk(2, dim=-1)  # [T, D] each
+        if meta.is_decode_only:
+            return self.out_proj(self._decode(u, z, meta, list(range(len(meta.query_lens)))))
+        # A sequence continuing by one token takes transformers' decode arithmetic, batched with the others.
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i]]
+        prefill = sorted(set(range(len(meta.query_lens))) - set(decode))
+        slot_of = meta.slots.tolist()  # one host copy for the per-sequence loop
+        out = x.new_empty(x.shape[0], self.intermediate_size, dtype=torch.float32)  # [T, D]
+        if decode:
+            rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=x.device)
+            out.index_copy_(0, rows, self._decode(u[rows], z[rows], meta, decode).float())
+        for i in prefill:
+            start, n = meta.query_start_loc[i], meta.query_lens[i]
+            out[start:start + n] = self._prefill_one(u[start:start + n], z[start:start + n], meta, i, slot_of[i])
+        return self.out_proj(out.to(x.dtype))
+
+    # ---- decode: one token per sequence ---------------------------------------------------------
+    def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
+        """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""
+        conv_state, ssm_state = self.states["conv"], self.states["ssm"]
+        slots = meta.slots[seqs] if len(seqs) != len(meta.query_lens) else meta.slots
+        window = torch.cat([conv_state[slots].to(u.dtype), u[:, :, None]], dim=-1)  # [S', D, K]
+        conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
+        weight = self._conv_weight()
+        u = F.silu(F.conv1d(window.to(weight.dtype), weight[:, None], self.conv1d.bias,
+                            groups=self.intermediate_size).squeeze(-1)).to(u.dtype)
+        dt_raw, B, C = self._ssm_inputs(u)
+        A = -torch.exp(self.A_log.float())
+        y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias.float(), A, B, C, self.D, z)
+        self._decode_checkpoints(meta, seqs, slots)
+        return y
+
+    def _decode_checkpoints(self, meta: StateMetadata, seqs: list[int], slots: torch.Tensor) -> None:
+        position = {seq: j for j, seq in enumerate(seqs)}
+        for seq, offset, dst in meta.checkpoints:
+            if seq in position:  # offset is necessarily 1: the state after this step's only token
+                src = int(slots[position[seq]])
+                for t in self.states.values():
+                    t[dst].copy_(t[src])
+
+    # ---- prefill: one sequence's chunk ----------------------------------------------------------
+    def _prefill_one(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seq: int,
+                     slot: int) -> torch.Tensor:
+        """u, z: [L, D] of one sequence; returns the gated SSM output [L, D] in float32."""
+        conv_state, ssm_state = self.states["conv"], self.states["ssm"]
+        resume = meta.has_initial_state[seq]
+        L = u.shape[0]
+        snaps = checkpoints_of(meta, seq)
+        if any(not 0 < off <= L for off, _ in snaps):
+            raise ValueError(f"MambaMixer: checkpoint offsets {[o for o, _ in snaps]} outside a chunk of {L} tokens")
+        weight = self._conv_weight()
+        conv_out, padded = causal_conv1d_prefill(u.to(weight.dtype), weight, self.conv1d.bias,
+                                                 conv_state[slot] if resume else None)
+        u = F.silu(conv_out).to(u.dtype)  # [L, D]
+        dt_raw, B, C = self._ssm_inputs(u)
+        dt = F.softplus(dt_raw + self.dt_proj.bias.to(dt_raw.dtype))  # [L, D] model dtype, as transformers
+        A = -torch.exp(self.A_log.float())
+        y, h_last, states_at = selective_scan_prefill(u, dt, A, B, C, ssm_state[slot] if resume else None,
+                                                      [off for off, _ in snaps], self.scan_chunk)
+        for off, dst in snaps:
+            conv_state[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
+            ssm_state[dst].copy_(states_at[off])
+        conv_state[slot].copy_(conv_state_at(padded, L, self.conv_kernel))
+        ssm_state[slot].copy_(h_last)
+        y = y + u * self.D.float()
+        return y * F.silu(z)
