@@ -34,6 +34,8 @@ ENV_VARS: dict[str, EnvVar] = {
                                                         "kv_cache_memory_bytes is not given."),
     "STATESERVE_NUM_THREADS": EnvVar(int, 0, "torch intra-op threads on CPU; 0 = all cores."),
     "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
+    "STATESERVE_CPU_KERNELS": EnvVar(_bool, True, "Use the C++ CPU kernels (built on first use) where they exist."),
+    "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
 }
 
 

@@ -1,5 +1,8 @@
 """Attention over the paged KV cache. The layer writes its new K/V through `slot_mapping` and reads
-each sequence's context through its block table; model code only calls `forward`."""
+each sequence's context through its block table; model code only calls `forward`.
+
+Sequences decoding one token are attended together (a C++ kernel that reads blocks in place on CPU, a
+gather + SDPA elsewhere); prefill chunks are attended one sequence at a time with SDPA."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import KVCacheSpec
+from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import AttnMetadata
 
 
@@ -34,14 +38,18 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]
-        if self.k_cache is not None:
-            flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
-            if meta.is_decode_only:
-                return self._decode(q, meta)
-        return self._prefill(q, k, v, meta)
+        if self.k_cache is None:
+            return self._prefill(q, k, v, meta, range(len(meta.query_lens)), torch.empty_like(q))
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        if meta.is_decode_only:
+            return self._decode(q, meta)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None and meta.decode_rows.numel():
+            out.index_copy_(0, meta.decode_rows, self._decode(q.index_select(0, meta.decode_rows), meta))
+        return self._prefill(q, k, v, meta, meta.prefill_seqs, out)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               is_causal: bool) -> torch.Tensor:
@@ -50,23 +58,32 @@ class Attention(nn.Module):
                                               enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _decode(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # One new token per sequence: gather every sequence's blocks, mask past its length.
+        # q: [Sd, H, D], one new token per decoding sequence (already written to the cache)
+        tables, lens, max_len = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_max_seq_len
+        if q.device.type == "cpu" and q.dtype == self.k_cache.dtype:
+            kernels = cpu_kernels.load()
+            if kernels is not None:
+                return kernels.paged_decode_attention(q.contiguous(), self.k_cache, self.v_cache, tables, lens,
+                                                      self.scale)
+        return self._decode_gather(q, tables, lens, max_len)
+
+    def _decode_gather(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                       max_len: int) -> torch.Tensor:
         num_seqs = q.shape[0]
-        max_blocks = -(-meta.max_seq_len // self.k_cache.shape[1])
-        tables = meta.block_tables[:, :max_blocks]
-        k = self.k_cache[tables].flatten(1, 2)  # [S, nb*bs, KH, D]
+        tables = tables[:, :-(-max_len // self.k_cache.shape[1])]
+        k = self.k_cache[tables].flatten(1, 2)  # [Sd, nb*bs, KH, D]
         v = self.v_cache[tables].flatten(1, 2)
         positions = torch.arange(k.shape[1], device=q.device)
-        mask = (positions[None, :] < meta.seq_lens_t[:, None]).view(num_seqs, 1, 1, -1)
-        out = self._sdpa(q.view(num_seqs, self.num_heads, 1, self.head_dim), k.transpose(1, 2),
-                         v.transpose(1, 2), mask, False)
+        mask = (positions[None, :] < lens[:, None]).view(num_seqs, 1, 1, -1)
+        out = self._sdpa(q.view(num_seqs, self.num_heads, 1, self.head_dim), k.transpose(1, 2).to(q.dtype),
+                         v.transpose(1, 2).to(q.dtype), mask, False)
         return out.view(num_seqs, self.num_heads, self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        out = torch.empty_like(q)
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
+                 out: torch.Tensor) -> torch.Tensor:
         bs = self.k_cache.shape[1] if self.k_cache is not None else 0
-        for i, (start, qlen) in enumerate(zip(meta.query_start_loc[:-1], meta.query_lens)):
-            ctx = meta.context_lens[i]
+        for i in seqs:
+            start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
             qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if ctx == 0 or self.k_cache is None:
                 ki = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
@@ -75,8 +92,8 @@ class Attention(nn.Module):
             else:
                 total = ctx + qlen
                 blocks = meta.block_tables[i, :-(-total // bs)]
-                ki = self.k_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
-                vi = self.v_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+                ki = self.k_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0).to(qi.dtype)
+                vi = self.v_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0).to(qi.dtype)
                 # query row r sits at absolute position ctx + r and sees keys 0..ctx + r
                 rows = torch.arange(qlen, device=q.device)[:, None] + ctx
                 mask = torch.arange(total, device=q.device)[None, :] <= rows

@@ -18,13 +18,24 @@ def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.
     tables = torch.zeros(len(batch.requests), max_blocks, dtype=torch.long)
     for i, req in enumerate(batch.requests):
         tables[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.long)
+    decode = [i for i, (c, q) in enumerate(zip(batch.context_lens, batch.query_lens)) if q == 1 and c > 0]
+    decode_set = set(decode)
+    prefill = [i for i in range(len(batch.requests)) if i not in decode_set]
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
+    decode_t = torch.tensor(decode, dtype=torch.long)
+    rows = torch.tensor([batch.query_start_loc[i] for i in decode], dtype=torch.long)
     return AttnMetadata(
         query_start_loc=batch.query_start_loc, query_lens=batch.query_lens, context_lens=batch.context_lens,
         seq_lens=seq_lens, is_decode_only=batch.is_decode_only,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
         block_tables=tables.to(device, non_blocking=True),
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.long).to(device, non_blocking=True),
-        max_seq_len=max(seq_lens))
+        seq_lens_t=seq_lens_t.to(device, non_blocking=True),
+        max_seq_len=max(seq_lens),
+        decode_rows=rows.to(device, non_blocking=True),
+        decode_block_tables=tables[decode_t].to(device, non_blocking=True),
+        decode_seq_lens=seq_lens_t[decode_t].to(device, non_blocking=True),
+        decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
+        prefill_seqs=prefill)
 
 
 class DefaultModelState(ModelState):

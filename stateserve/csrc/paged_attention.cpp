@@ -1,0 +1,81 @@
+// Decode attention over the paged KV cache, reading K/V blocks in place (no gather copy).
+// One task per (sequence, kv head); the query heads of a GQA group share each K/V row read.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename scalar_t>
+static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                          const int64_t* block_tables, const int64_t* seq_lens, scalar_t* out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, kh = task % num_kv_heads;
+      const int64_t len = seq_lens[s];
+      scores.assign(group * len, 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] = static_cast<float>(q[(s * num_heads + kh * group + g) * head_dim + d]) * scale;
+      const int64_t* table = block_tables + s * max_blocks;
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+          scores[g * len + t] = dot;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::vector<float> denom(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+        denom[g] = sum;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out[(s * num_heads + kh * group + g) * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] / denom[g]);
+    }
+  });
+}
+
+// q: [S, H, D]; k_cache, v_cache: [num_blocks, block_size, KH, D]; block_tables: [S, max_blocks] int64;
+// seq_lens: [S] int64 (each >= 1). Returns [S, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KH = k_cache.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                            S, H, KH, D, bs, tables.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}

@@ -1,0 +1,37 @@
+"""Optional C++ CPU kernels, compiled on first use with torch's extension builder and cached on disk.
+
+If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, callers fall back to pure PyTorch."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from stateserve import envs
+
+logger = logging.getLogger("stateserve")
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load():
+    """The compiled module, or None when unavailable."""
+    global _module, _failed
+    if _module is not None or _failed or not envs.STATESERVE_CPU_KERNELS:
+        return _module
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "paged_attention.cpp")
+                build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
+                os.makedirs(build_dir, exist_ok=True)
+                _module = build(name="stateserve_cpu_kernels", sources=[src], build_directory=build_dir,
+                                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                verbose=False)
+            except Exception as e:  # any build problem: run the PyTorch path instead
+                _failed = True
+                logger.warning("CPU kernels unavailable (%s); using the PyTorch fallback", e)
+    return _module
