@@ -47,6 +47,25 @@ def test_greedy_parity_chunked(case, tmp_path):
         assert llm.llm_engine.cache.is_idle_and_full()
 
 
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_greedy_parity_with_prefix_caching(mode, tmp_path):
+    """Snapshots taken inside prefill chunks (block size 4, mid scan-chunk) and resumed from must not change
+    greedy output: a second round of prompts sharing prefixes with the first must still match transformers."""
+    hf, path = _build(tmp_path, n_groups=2, chunk_size=8)
+    shared = list(range(30, 60))
+    first = [shared + [7, 8], shared[:13] + [9]]
+    second = [shared + [7, 8, 11], shared[:13] + [250, 3], shared[:22]]
+    ref = hf_greedy(hf, first + second, 6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
+             mamba_cache_mode=mode) as llm:
+        outs = [o for rnd in (first, second) for o in llm.generate([{"prompt_token_ids": p} for p in rnd], params)]
+        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, first + second)
+        hits = [o.num_cached_tokens for o in outs[len(first):]]
+        assert max(hits) >= 12 and min(hits) > 0, hits  # the second round really resumed from snapshots
+        llm.llm_engine.check_integrity()
+
+
 def test_teacher_forced_logits(tmp_path):
     # A binding time_step_limit, so the dt clamp is exercised on the prefill and the decode (chunk 1) path.
     hf, path = _build(tmp_path, n_groups=2, chunk_size=8, time_step_limit=(0.05, 0.6))
@@ -57,6 +76,19 @@ def test_teacher_forced_logits(tmp_path):
             ours = engine_teacher_forced_logits(llm, tokens, chunk)
             # float32 end to end: differences come only from summation order (chunking of the scan)
             torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_logits(tmp_path):
+    hf, path = _build(tmp_path, n_groups=2, chunk_size=8)
+    tokens = list(range(3, 60))
+    ref = hf_logits(hf.to(torch.bfloat16), tokens)
+    with LLM(path, skip_tokenizer_init=True, dtype="bfloat16") as llm:
+        # one step: the same scan chunks as transformers' forward, so only rounding order can differ
+        torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 64), ref, atol=2e-2, rtol=1e-2)
+        # resumed steps re-chunk the float32 scan; bf16 out_proj rounding makes that ~1 ulp of logits (|x| < 16)
+        torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 7), ref, atol=0.25, rtol=2e-2)
+        state = llm.llm_engine.runner.storage.states["backbone.layers.0.mixer"]
+        assert state["conv"].dtype == torch.bfloat16 and state["ssm"].dtype == torch.float32
 
 
 def test_weight_names_and_config_checks(tmp_path):
@@ -193,3 +225,19 @@ def test_hooks_match_falcon_h1_mixer(rms_norm, before_gate):
     _bind(ours, 2)
     x = torch.randn(1, 10, 32)
     torch.testing.assert_close(ours(x[0], _meta([10], [0], [False])), ref(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_clamp_dt_on_decode_hook():
+    """With a binding time_step_limit the decode path clamps like prefill by default; clamp_dt_on_decode=False
+    reproduces transformers' single-token path, which skips the clamp."""
+    x = torch.randn(6, 32)
+    outs = {}
+    for clamp in (True, False):
+        m = _mixer(2, time_step_limit=(0.8, 1.2), clamp_dt_on_decode=clamp)
+        _bind(m, 4)
+        full = m(x, _meta([6], [0], [False]))
+        m(x[:5], _meta([5], [1], [False]))
+        outs[clamp] = (m(x[5:], _meta([1], [1], [True])), full[5:])
+    torch.testing.assert_close(*outs[True], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(*outs[False], atol=1e-3)
