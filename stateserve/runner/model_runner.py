@@ -26,6 +26,17 @@ logger = logging.getLogger("stateserve")
 GiB = 1 << 30
 
 
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not cap
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
@@ -83,7 +94,8 @@ class ModelRunner:
             # headroom for activations of one max_num_batched_tokens step
             activation_bytes = self.engine_config.max_num_batched_tokens * self.model_config.vocab_size * 4 * 2
             return int(total * self.engine_config.gpu_memory_utilization - used - activation_bytes)
-        return int(envs.STATESERVE_CPU_KV_CACHE_SPACE * GiB)
+        # CPU: the configured space, but never more than 40% of the memory still available
+        return int(min(envs.STATESERVE_CPU_KV_CACHE_SPACE * GiB, 0.4 * _available_host_memory()))
 
     def initialize_caches(self, max_num_seqs: int, num_extra_slots: int = 0) -> CachePlan:
         kv_specs, state_specs = self.cache_specs()
