@@ -1,0 +1,374 @@
+"""Runs the LLMEngine loop in its own thread and gives asyncio code a small, thread-safe API.
+
+The engine is not thread-safe, so only the engine thread ever touches it: the event loop hands work over
+through a queue (add, abort, call) and gets results back via loop.call_soon_threadsafe. Model steps thus
+never block the event loop, and requests from every connection join the same continuous batch."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from stateserve.engine.llm_engine import LLMEngine
+from stateserve.outputs import Logprob
+from stateserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("stateserve.server")
+_IDLE_WAIT_S = 0.5  # how long an idle engine thread sleeps on the queue before re-checking
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the client should retry later (HTTP 503)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no more requests can run."""
+
+
+@dataclass
+class SeqUpdate:
+    """What one sequence (one of a prompt's n samples) produced since its last update."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None  # the engine's final text (stop strings cut), only once finished
+
+
+@dataclass
+class GroupUpdate:
+    """One engine step's news about one prompt of a submission."""
+
+    prompt_index: int
+    seqs: list[SeqUpdate]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    time: float  # time.perf_counter() when the step that produced it ended
+
+
+class RequestStream:
+    """The updates of one submission (one or more prompts), in step order; lives on the event loop."""
+
+    def __init__(self, engine: "AsyncEngine", group_ids: list[str]) -> None:
+        self._engine = engine
+        self.group_ids = group_ids
+        self._queue: asyncio.Queue[GroupUpdate | BaseException] = asyncio.Queue()
+        self._unfinished = set(group_ids)
+
+    def _put(self, item: GroupUpdate | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> GroupUpdate:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(self.group_ids[item.prompt_index])
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Stop whatever has not finished (client gone, error); frees its cache on the next engine turn."""
+        if self._unfinished:
+            self._engine.abort(list(self._unfinished))
+            self._unfinished.clear()
+
+
+@dataclass
+class _Group:
+    stream: RequestStream
+    prompt_index: int
+    sent: list[int]  # per sequence: output tokens already reported
+    done: list[bool]  # per sequence: finish already reported
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = engine.model_config.max_model_len
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._groups: dict[str, _Group] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.error: BaseException | None = None
+        self.final_state: dict[str, Any] | None = None  # set by the engine thread when it stops
+        self.snapshot: dict[str, int] = self._take_snapshot()
+
+    # ---- event-loop side -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="stateserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _dead_error(self) -> EngineDead:
+        if isinstance(self.error, EngineDead):
+            return self.error
+        return EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the engine is not running")
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise self._dead_error()
+
+    async def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> RequestStream:
+        """Add all prompts (or none: a bad prompt raises ValueError, a full queue EngineOverloaded)."""
+        self._check_alive()
+        group_ids = [f"{self._prefix}-{next(self._ids)}" for _ in prompts]
+        stream = RequestStream(self, group_ids)
+        accepted: asyncio.Future[None] = self._loop.create_future()
+        self._send("add", (group_ids, prompts, params, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(group_ids)  # the add may still land after we stopped waiting
+            raise
+        return stream
+
+    def abort(self, group_ids: list[str]) -> None:
+        """Thread-safe and non-blocking."""
+        self._send("abort", list(group_ids))
+
+    def abort_all(self) -> None:
+        self._send("abort_all", None)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send("call", (fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def call_sync(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
+        """Like `call`, from any thread but the event loop's (tests, tools)."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._send("call", (fn, fut))
+        return fut.result(timeout)
+
+    async def shutdown(self, timeout: float = 30.0) -> dict[str, Any] | None:
+        """Abort what is left, free the caches, shut the engine down; returns the final cache state."""
+        if self._thread is None:
+            return None
+        self._send("stop", None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        return self.final_state
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if self._handle_commands(block=not engine.has_unfinished()):
+                    break
+                if engine.has_unfinished():
+                    finished = engine.step()
+                    self._publish(list(dict.fromkeys(engine.last_updated + finished)))
+                self.snapshot = self._take_snapshot()
+        except BaseException as e:  # a step raised: fail everyone clearly rather than hang
+            logger.exception("the engine thread stopped on an error")
+            self.error = e
+            self._fail_all(self._dead_error())
+        finally:
+            self._close()
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands; True when asked to stop."""
+        try:
+            first = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        batch = [first]
+        while True:
+            try:
+                batch.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        stop = False
+        for kind, payload in batch:
+            if kind == "stop":
+                stop = True
+            else:  # work queued beside a stop still runs; _close then aborts it cleanly
+                getattr(self, f"_do_{kind}")(payload)
+        return stop
+
+    def _do_add(self, payload: tuple) -> None:
+        group_ids, prompts, params, stream, accepted = payload
+        engine = self.engine
+        try:
+            for _, ids in prompts:
+                engine.validate_prompt(ids)
+            # Sequences that will wait for a batch slot; ones that free slots take at the next step do not.
+            sched = engine.scheduler
+            free_slots = max(0, sched.max_num_seqs - len(sched.running))
+            waiting = max(0, len(sched.waiting) - free_slots)
+            new_waiting = max(0, len(sched.waiting) + params.n * len(prompts) - free_slots)
+            if self.max_waiting_requests is not None and new_waiting > self.max_waiting_requests:
+                raise EngineOverloaded(f"the waiting queue is full ({waiting} waiting, limit "
+                                       f"{self.max_waiting_requests}); retry later")
+            added = []
+            try:
+                for gid, (text, ids) in zip(group_ids, prompts):
+                    engine.add_request(gid, ids, params, prompt=text)
+                    added.append(gid)
+                    self._groups[gid] = _Group(stream, len(added) - 1, [0] * params.n, [False] * params.n)
+            except BaseException:
+                for gid in added:
+                    self._drop(gid)
+                raise
+        except (ValueError, TypeError, EngineOverloaded) as e:
+            self._post(_resolve, accepted, e)
+            return
+        self._post(_resolve, accepted, None)
+
+    def _do_abort(self, group_ids: list[str]) -> None:
+        for gid in group_ids:
+            if gid in self.engine.groups:
+                self.engine.abort_request(gid)
+        self._publish([g for g in group_ids if g in self._groups])
+
+    def _do_abort_all(self, _: Any) -> None:
+        self._do_abort(list(self._groups))
+
+    def _do_call(self, payload: tuple) -> None:
+        fn, fut = payload
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(self.engine))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    def _publish(self, group_ids: list[str]) -> None:
+        """Send each listed group's new tokens to its stream; pop finished groups out of the engine."""
+        now = time.perf_counter()
+        out: list[tuple[RequestStream, GroupUpdate]] = []
+        for gid in group_ids:
+            group = self._groups.get(gid)
+            reqs = self.engine.groups.get(gid)
+            if group is None or reqs is None:
+                continue
+            seqs = []
+            for i, req in enumerate(reqs):
+                k = group.sent[i]
+                if len(req.output_token_ids) == k and (group.done[i] or not req.is_finished):
+                    continue
+                upd = SeqUpdate(i, req.output_token_ids[k:],
+                                None if req.logprobs is None else req.logprobs[k:])
+                group.sent[i] = len(req.output_token_ids)
+                if req.is_finished:
+                    group.done[i] = True
+                    upd.finish_reason, upd.stop_reason, upd.text = req.finish_reason, req.stop_reason, \
+                        req.output_text
+                seqs.append(upd)
+            finished = all(group.done)
+            first = reqs[0]
+            out.append((group.stream, GroupUpdate(group.prompt_index, seqs, finished, first.num_prompt_tokens,
+                                                  first.num_cached_tokens, now)))
+            if finished:
+                self._drop(gid)
+        if out:
+            self._post(_deliver, out)
+
+    def _drop(self, gid: str) -> None:
+        self._groups.pop(gid, None)
+        if gid in self.engine.groups:
+            self.engine.abort_request(gid)
+            self.engine.pop_output(gid)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams = {id(g.stream): g.stream for g in self._groups.values()}
+        for stream in streams.values():
+            self._post(stream._put, exc)
+        while True:  # answer queued work too, so no caller waits forever
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._post(_resolve, payload[4], exc)
+            elif kind == "call" and payload[1].set_running_or_notify_cancel():
+                payload[1].set_exception(exc)
+
+    def _close(self) -> None:
+        """Last act of the engine thread: abort what is left, check the caches, release the engine."""
+        state: dict[str, Any] = {"aborted": len(self._groups)}
+        try:
+            self._do_abort_all(None)
+            self.engine.check_integrity()
+            state["integrity_ok"] = True
+            state["idle_and_full"] = self.engine.cache.is_idle_and_full()
+        except Exception as e:
+            state["integrity_ok"], state["error"] = False, repr(e)
+        finally:
+            if self.error is None:
+                self.error = EngineDead("the engine has been shut down")
+            self._fail_all(self._dead_error())
+            self.final_state = state
+            try:
+                self.engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+        logger.info("engine stopped: %s", state)
+
+    def _take_snapshot(self) -> dict[str, int]:
+        engine, cache = self.engine, self.engine.cache
+        snap = dict(engine.stats)
+        snap["running"] = len(engine.scheduler.running)
+        snap["waiting"] = len(engine.scheduler.waiting)
+        if cache.block_pool is not None:
+            snap["kv_blocks_total"] = cache.block_pool.num_blocks
+            snap["kv_blocks_used"] = cache.block_pool.num_blocks - cache.block_pool.num_free
+        if cache.slot_pool is not None:
+            snap["state_slots_total"] = cache.slot_pool.num_slots
+            snap["state_slots_used"] = cache.slot_pool.num_slots - cache.slot_pool.num_free
+        return snap
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():  # the waiter was cancelled
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+def _deliver(items: list[tuple[RequestStream, GroupUpdate]]) -> None:
+    for stream, update in items:
+        stream._put(update)

@@ -1,0 +1,255 @@
+"""OpenAI-compatible HTTP server: `stateserve serve MODEL` (FastAPI + uvicorn).
+
+GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings,
+GET /metrics. The engine runs in its own thread (async_engine.py); this module wires routes, errors in
+OpenAI's JSON shape, and a graceful shutdown: on SIGINT/SIGTERM new requests are refused, in-flight ones
+get --shutdown-timeout seconds to finish, then are aborted, and the caches are freed."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import socket
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead
+from stateserve.entrypoints.metrics import ServerMetrics
+from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                                    ModelCard, ModelList)
+from stateserve.entrypoints.serving import APIError, OpenAIServing
+
+logger = logging.getLogger("stateserve.server")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    if err.status >= 400 and err.status != 499:
+        logger.debug("answering %d: %s", err.status, err.message)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+
+
+def _param_of(error: dict) -> str | None:
+    """Dotted field path of a pydantic error, without 'body' and the union-member tags pydantic adds."""
+    loc = [str(p) for p in error.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+    return ".".join(loc) or None
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    param = _param_of(first)
+    kind = first.get("type", "")
+    if kind != "json_invalid" and sum(_param_of(e) == param for e in errors) > 1:  # no member of a union fit
+        got = type(first.get("input")).__name__
+        return APIError(400, f"Invalid type for '{param}': got {got}", param=param)
+    if kind == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if kind == "json_invalid":
+        return APIError(400, "We could not parse the JSON body of your request. The body must be valid JSON.")
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param)
+    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}" if param
+                    else str(first.get("msg", "invalid request")), param=param)
+
+
+def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: list[str], *,
+              chat_template: str | None = None) -> FastAPI:
+    """The ASGI app. The engine thread starts with the app's lifespan and stops (freeing caches) with it."""
+    metrics = ServerMetrics(lambda: engine.snapshot)
+    serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        serving.draining = True
+        state = await engine.shutdown()
+        logger.info("shutdown complete: caches %s (%s)",
+                    "free" if state and state.get("idle_and_full") else "NOT free", state)
+
+    app = FastAPI(title="stateserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving, app.state.engine, app.state.metrics = serving, engine, metrics
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.rejected.labels(status=str(exc.status)).inc()
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected.labels(status="400").inc()
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), type_))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return _error_response(APIError(500, f"internal error: {exc!r}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", "server_error", code="engine_dead")
+        if serving.draining:  # load balancers should stop sending work here
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=engine.engine.config.model, max_model_len=engine.max_model_len)
+                 for name in serving.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Response:
+        model = serving.check_model(body.model)
+        if not callable(getattr(engine.engine, "embed", None)):
+            raise APIError(400, f"The model `{model}` does not support embeddings.", param="model",
+                           code="model_not_supported")
+        inputs = body.input if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int) \
+            else [body.input]
+        prompts = [serving._tokenize(x) if isinstance(x, str) else list(x) for x in inputs]
+        try:
+            results = await engine.call(lambda e: e.embed(prompts))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="input") from e
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from e
+        data = []
+        for i, r in enumerate(results):
+            vec = getattr(getattr(r, "outputs", None), "embedding", r)
+            data.append({"object": "embedding", "index": i, "embedding": [float(v) for v in vec]})
+        n = sum(len(p) for p in prompts)
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: on shutdown refuse new work at once and abort what is still running after `grace_s`."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace_s: float) -> None:
+        super().__init__(config)
+        self.app, self.grace_s = app, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.app.state.serving.draining = True
+        snap = self.app.state.engine.snapshot
+        logger.info("shutting down: %d running and %d waiting sequence(s) get %.1f s to finish",
+                    snap.get("running", 0), snap.get("waiting", 0), self.grace_s)
+
+        async def abort_late() -> None:
+            await asyncio.sleep(self.grace_s)
+            self.app.state.engine.abort_all()
+
+        late = asyncio.ensure_future(abort_late())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            late.cancel()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so the port (also a free one for port 0) is known and held."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from stateserve import envs
+    from stateserve.config import EngineConfig
+    from stateserve.engine.llm_engine import LLMEngine, load_tokenizer
+    from stateserve.entrypoints.cli import default_model, engine_kwargs
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("stateserve.server").setLevel(logging.INFO)
+    # SIGTERM behaves like Ctrl+C: uvicorn drains on it, and re-raises it after its own handler is gone
+    signal.signal(signal.SIGTERM, _interrupt)
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    model = args.model or default_model()
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            chat_template = f.read()
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    try:
+        llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs(args)),
+                               show_progress=not envs.STATESERVE_DISABLE_TQDM)
+    except KeyboardInterrupt:
+        return 130
+    engine = AsyncEngine(llm_engine, args.max_waiting_requests)
+    app = build_app(engine, load_tokenizer(llm_engine.config), args.served_model_name or [model],
+                    chat_template=chat_template)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=int(
+        args.shutdown_timeout + 10), timeout_keep_alive=5)
+    server = GracefulServer(config, app, args.shutdown_timeout)
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info("serving %s as %s on http://%s:%d", model, ", ".join(args.served_model_name or [model]),
+                url_host, port)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # the signal uvicorn re-raises after its graceful shutdown
+        pass
+    finally:
+        sock.close()
+    if engine.final_state is None:  # never got to the lifespan shutdown (startup failed or forced exit)
+        return 1
+    return 0 if engine.final_state.get("integrity_ok") else 1
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    from stateserve.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: a bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (logged at startup)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in `model`; the first is reported (default: the model path)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 (Retry-After) when more sequences than this would be waiting")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)

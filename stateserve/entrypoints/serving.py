@@ -1,0 +1,331 @@
+"""/v1/completions and /v1/chat/completions: request -> SamplingParams + token ids -> engine -> OpenAI JSON/SSE."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead, EngineOverloaded, GroupUpdate, RequestStream
+from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs
+from stateserve.entrypoints.metrics import RequestTimer, ServerMetrics
+from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                                    ChatCompletionRequest, ChatCompletionResponse,
+                                                    ChatResponseMessage, CompletionChoice, CompletionRequest,
+                                                    CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
+                                                    PromptTokensDetails, Usage)
+from stateserve.sampling_params import SamplingParams
+
+Prompts = list[tuple[str | None, list[int]]]
+_MAX_LOGPROBS = 20
+_MAX_N = 128  # OpenAI's limit
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """Aborts the engine request however the response ends, even if its body was never started."""
+
+    def __init__(self, body: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._engine_stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine_stream.abort()
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    """Returns when the client has gone (uvicorn answers receive() with http.disconnect)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a stray body message; do not spin
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any | None, model_names: list[str],
+                 metrics: ServerMetrics | None = None, chat_template: str | None = None) -> None:
+        self.engine, self.tokenizer, self.model_names = engine, tokenizer, model_names
+        self.metrics, self.chat_template = metrics, chat_template
+        self.max_model_len = engine.max_model_len
+        self.draining = False  # set on shutdown: new work gets 503
+
+    # ---- validation ------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.model_names:
+            return self.model_names[0]
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _completion_prompts(self, prompt: Any) -> Prompts:
+        if isinstance(prompt, str):
+            return [(prompt, self._tokenize(prompt))]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, self._tokenize(p)) for p in prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [(None, list(prompt))]
+        return [(None, list(p)) for p in prompt]
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompts:
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer, so it cannot apply a chat template", param="messages")
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            role = "system" if m.role == "developer" else m.role
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)",
+                               param=f"messages.{i}.role")
+            if any((m.model_extra or {}).get(k) for k in ("tool_calls", "function_call")):
+                raise APIError(400, "tool and function calls are not supported", param=f"messages.{i}")
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+                content = "\n".join(part.text or "" for part in content)
+            msg = {"role": role, "content": content or ""}
+            if m.name:
+                msg["name"] = m.name
+            messages.append(msg)
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; start the server with "
+                                "--chat-template FILE, or use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # a template error is the request's doing (roles, kwargs), not the server's
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+        return [(text, self._tokenize(text, add_special_tokens=False))]
+
+    def _check_context(self, prompts: Prompts, max_tokens: int | None, explicit: bool, what: str) -> None:
+        limit = self.max_model_len
+        for _, ids in prompts:
+            if len(ids) >= limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                    f"{what} has {len(ids)} tokens, leaving no room for the completion. Please "
+                                    f"reduce the length of the {what}.", param=what, code="context_length_exceeded")
+            if explicit and max_tokens is not None and len(ids) + max_tokens > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {what}, "
+                                    f"{max_tokens} for the completion). Please reduce the length of the {what} "
+                                    f"or completion.", param="max_tokens", code="context_length_exceeded")
+
+    def _sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        bad = req.unsupported_fields()
+        if bad:
+            raise APIError(400, f"`{bad[0]}` is not supported by this server", param=bad[0])
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if req.n > _MAX_N:
+            raise APIError(400, f"n must be at most {_MAX_N}, got {req.n}", param="n")
+        if logprobs is not None and logprobs > _MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be at most {_MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                skip_special_tokens=req.skip_special_tokens)
+        except (ValueError, TypeError) as e:
+            msg = str(e).removeprefix("SamplingParams: ")
+            raise APIError(400, msg, param=msg.split(" ", 1)[0]) from e
+
+    async def _submit(self, prompts: Prompts, params: SamplingParams) -> RequestStream:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        try:
+            return await self.engine.submit(prompts, params)
+        except EngineOverloaded as e:
+            raise APIError(503, str(e), "server_error", code="overloaded", headers={"Retry-After": "1"}) from e
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from e
+        except (ValueError, TypeError) as e:  # the engine's own prompt checks (vocabulary, cache size, ...)
+            raise APIError(400, str(e), param="prompt") from e
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.perf_counter()
+        model = self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        prompts = self._completion_prompts(req.prompt)
+        self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
+        echo = [self._echo_text(t, ids) if req.echo else "" for t, ids in prompts]
+        choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop, echo[p])
+                   for p in range(len(prompts)) for _ in range(params.n)]
+        stream = await self._submit(prompts, params)
+        ctx = _Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
+                       RequestTimer(self.metrics, arrival), req.stream_options)
+        if req.stream:
+            return _AbortingStreamingResponse(self._stream(stream, ctx, chat=False), stream)
+        gone = await self._collect(stream, ctx, raw)
+        if gone:
+            return Response(status_code=499)
+        out = []
+        for i, ch in enumerate(choices):
+            lp = None
+            if params.logprobs is not None:
+                lp, _ = completion_logprobs(ch.token_ids, ch.logprobs, len(ch.echo_text))
+            out.append(CompletionChoice(index=i, text=ch.full_text, logprobs=lp, finish_reason=ch.finish_reason,
+                                        stop_reason=ch.stop_reason))
+        return JSONResponse(CompletionResponse(id=ctx.id, created=ctx.created, model=model, choices=out,
+                                               usage=ctx.usage()).model_dump())
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.perf_counter()
+        model = self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        prompts = self._chat_prompt(req)
+        self._check_context(prompts, max_tokens, True, "messages")
+        choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
+        stream = await self._submit(prompts, params)
+        ctx = _Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
+                       RequestTimer(self.metrics, arrival), req.stream_options, req.top_logprobs or 0)
+        if req.stream:
+            return _AbortingStreamingResponse(self._stream(stream, ctx, chat=True), stream)
+        if await self._collect(stream, ctx, raw):
+            return Response(status_code=499)
+        out = [ChatChoice(index=i, message=ChatResponseMessage(content=ch.full_text),
+                          logprobs=chat_logprobs(ch.token_ids, ch.logprobs, ctx.top_n)
+                          if params.logprobs is not None else None,
+                          finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+               for i, ch in enumerate(choices)]
+        return JSONResponse(ChatCompletionResponse(id=ctx.id, created=ctx.created, model=model, choices=out,
+                                                   usage=ctx.usage()).model_dump())
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    # ---- driving a request -----------------------------------------------------------------------
+    async def _collect(self, stream: RequestStream, ctx: "_Context", raw: Request) -> bool:
+        """Gather a non-streamed request; True if the client left first (its request is then aborted)."""
+        async def consume() -> None:
+            async for update in stream:
+                ctx.apply(update, streaming=False)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not consumer.done():
+                return True
+            consumer.result()  # re-raise an engine failure
+            return False
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from e
+        finally:
+            consumer.cancel()
+            watcher.cancel()
+            stream.abort()
+
+    async def _stream(self, stream: RequestStream, ctx: "_Context", chat: bool) -> AsyncIterator[str]:
+        """SSE: one chunk per engine step and updated choice, then usage (if asked) and [DONE]. The
+        `finally` runs when the client disconnects too (Starlette cancels us), aborting the request."""
+        try:
+            if chat:  # OpenAI opens every chat choice with the role
+                for i in range(len(ctx.choices)):
+                    yield _sse(ctx.chat_chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                                          content=""))))
+            async for update in stream:
+                for index, delta, seq in ctx.apply(update, streaming=True):
+                    ch = ctx.choices[index]
+                    k = len(seq.new_token_ids)
+                    if chat:
+                        lp = chat_logprobs(ch.token_ids[-k:] if k else [], ch.logprobs[-k:] if k else [],
+                                           ctx.top_n) if ctx.params.logprobs is not None else None
+                        yield _sse(ctx.chat_chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=delta),
+                                                                  logprobs=lp, finish_reason=seq.finish_reason)))
+                    else:
+                        lp = None
+                        if ctx.params.logprobs is not None:
+                            lp, ch.text_offset = completion_logprobs(ch.token_ids[len(ch.token_ids) - k:],
+                                                                     ch.logprobs[len(ch.logprobs) - k:],
+                                                                     ch.text_offset)
+                        yield _sse(CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=[
+                            CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=seq.finish_reason,
+                                             stop_reason=seq.stop_reason)]))
+            if ctx.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
+                            "choices": [], "usage": ctx.usage().model_dump()})
+            yield "data: [DONE]\n\n"
+        except EngineDead as e:
+            yield _sse(APIError(503, str(e), "server_error", code="engine_dead").body())
+        finally:
+            stream.abort()
+
+
+class _Context:
+    """One HTTP request's bookkeeping: ids, choices, usage, latency metrics."""
+
+    def __init__(self, id_: str, created: int, model: str, params: SamplingParams, prompts: Prompts,
+                 choices: list[ChoiceState], timer: RequestTimer, stream_options: Any, top_n: int = 0) -> None:
+        self.id, self.created, self.model, self.params = id_, created, model, params
+        self.prompts, self.choices, self.timer, self.top_n = prompts, choices, timer, top_n
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.cached_tokens = [0] * len(prompts)
+
+    def apply(self, update: GroupUpdate, streaming: bool) -> list[tuple[int, str, Any]]:
+        self.cached_tokens[update.prompt_index] = update.num_cached_tokens
+        out = []
+        for seq in update.seqs:
+            index = update.prompt_index * self.params.n + seq.index
+            delta = self.choices[index].apply(seq, streaming)
+            self.timer.on_tokens(index, len(seq.new_token_ids), update.time)
+            if seq.finish_reason is not None:
+                self.timer.on_finish(seq.finish_reason, update.time)
+            out.append((index, delta, seq))
+        return out
+
+    def usage(self) -> Usage:
+        prompt = sum(len(ids) for _, ids in self.prompts)
+        completion = sum(len(ch.token_ids) for ch in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+
+    def chat_chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
