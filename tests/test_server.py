@@ -278,6 +278,25 @@ def test_non_streamed_client_timeout_aborts(srv):
     assert srv.call(lambda e: e.stats["generation_tokens"]) - before < 400
 
 
+def test_engine_failure_answers_503(model_dir):
+    s = ServerThread(model_dir[1], max_num_seqs=4)
+    try:
+        client = s.client.with_options(timeout=15)
+        assert client.completions.create(model=NAME, prompt=[5, 6], max_tokens=2).usage.completion_tokens == 2
+
+        def broken_step():
+            raise RuntimeError("boom: the device fell off")
+
+        s.call(lambda e: setattr(e, "step", broken_step))
+        body = _expect_error(503, lambda: client.completions.create(model=NAME, prompt=[5, 6], max_tokens=2),
+                             code="engine_dead", message="boom")
+        assert body["type"] == "server_error"
+        assert httpx2.get(s.base_url + "/health", timeout=10).status_code == 503
+        _expect_error(503, lambda: client.completions.create(model=NAME, prompt=[5], max_tokens=2))
+    finally:
+        s.stop()
+
+
 def test_metrics(srv):
     text = httpx2.get(srv.base_url + "/metrics", timeout=10).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total",
