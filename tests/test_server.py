@@ -16,6 +16,7 @@ import time
 import httpx2
 import openai
 import pytest
+import uvicorn
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stateserve.config import EngineConfig
@@ -23,8 +24,6 @@ from stateserve.engine.llm_engine import LLMEngine, load_tokenizer
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.server import GracefulServer, bind_socket, build_app
 from utils import build_hf_model, hf_greedy, save_model
-
-import uvicorn
 
 CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
