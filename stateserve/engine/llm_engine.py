@@ -35,7 +35,8 @@ def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
     is_af, is_hybrid = bool(getattr(cls, "is_attention_free", False)), bool(getattr(cls, "is_hybrid", False))
     if hasattr(cls, "resolve_flags"):  # e.g. a hybrid family whose config may turn out all-attention
         is_af, is_hybrid = cls.resolve_flags(hf)
-    limit = getattr(hf, "max_position_embeddings", None)
+    # a model class may name its own limit (e.g. Whisper's decoder: max_target_positions)
+    limit = cls.max_positions(hf) if hasattr(cls, "max_positions") else getattr(hf, "max_position_embeddings", None)
     if limit is None:
         limit = _DEFAULT_RECURRENT_MAX_LEN if is_af else 2048
     elif not is_af:
@@ -148,12 +149,21 @@ class LLMEngine:
         return self.tokenizer(prompt).input_ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, encoder_input: Any = None) -> None:
+        """encoder_input: for encoder-decoder models, from model_state.prepare_prompt; without it the prompt
+        ids are the encoder input and decoding starts from the decoder start token."""
         self._check_open()
         if not self.model_state.supports_generate:
             raise ValueError(f"{self.model_config.architecture} does not generate text; use LLM.embed")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if getattr(self.model_state, "is_encoder_decoder", False):
+            if encoder_input is None:
+                prompt_token_ids, encoder_input = self.model_state.prepare_prompt(
+                    None, {"input_ids": list(prompt_token_ids)})
+        elif encoder_input is not None:
+            raise ValueError(f"{self.model_config.architecture} has no encoder: encoder inputs are only for "
+                             "encoder-decoder models")
         self.validate_prompt(prompt_token_ids)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         params = params.with_stop_ids(stop_ids)
@@ -164,6 +174,8 @@ class LLMEngine:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, request_id, gen)
+            if encoder_input is not None:  # prefix-cache keys must differ per encoder input
+                req.encoder_input, req.cache_extra = encoder_input, encoder_input.cache_key
             self.requests[child_id] = req
             children.append(req)
             self.stats["prompt_tokens"] += len(prompt_token_ids)

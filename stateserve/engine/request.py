@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ class Request:
     num_published_blocks: int = 0
     restore_key: bytes | None = None  # snapshot to load into the state slot when it is allocated
     prefix_matched: bool = False
+    # encoder-decoder models: the processed encoder input (model_states.encoder_decoder.EncoderInput)
+    encoder_input: Any = None
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -44,6 +44,13 @@ class LLM:
                 return prompt["prompt"], self.llm_engine.tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def _to_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
+        """(text, token ids, encoder input or None); encoder-decoder prompts are parsed by their model state."""
+        state = self.llm_engine.model_state
+        if getattr(state, "is_encoder_decoder", False):
+            return state.parse_prompt(prompt, self._to_token_ids, self.llm_engine.tokenizer)
+        return (*self._to_token_ids(prompt), None)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -59,15 +66,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
-        tokenized = [self._to_token_ids(p) for p in prompts]
-        for (_, ids), p in zip(tokenized, params):
+        tokenized = [self._to_inputs(p) for p in prompts]
+        for (_, ids, _), p in zip(tokenized, params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
             engine.validate_prompt(ids)
         ids_in_order = []
-        for (text, ids), p in zip(tokenized, params):
+        for (text, ids, encoder_input), p in zip(tokenized, params):
             rid = uuid.uuid4().hex[:12]
-            engine.add_request(rid, ids, p, prompt=text)
+            engine.add_request(rid, ids, p, prompt=text, encoder_input=encoder_input)
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
 

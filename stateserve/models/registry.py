@@ -18,6 +18,9 @@ _BUILTIN: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "stateserve.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "Zamba2ForCausalLM": "stateserve.models.zamba2:Zamba2ForCausalLM",
     "Qwen3NextForCausalLM": "stateserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "BartForConditionalGeneration": "stateserve.models.bart:BartForConditionalGeneration",
+    "T5ForConditionalGeneration": "stateserve.models.t5:T5ForConditionalGeneration",
+    "WhisperForConditionalGeneration": "stateserve.models.whisper:WhisperForConditionalGeneration",
 }
 
 
