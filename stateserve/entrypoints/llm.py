@@ -12,7 +12,8 @@ from tqdm import tqdm
 from stateserve import envs
 from stateserve.config import EngineConfig
 from stateserve.engine.llm_engine import LLMEngine
-from stateserve.outputs import RequestOutput
+from stateserve.engine.pooling import PoolingEngine, select_runner
+from stateserve.outputs import EmbeddingRequestOutput, RequestOutput
 from stateserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -21,7 +22,10 @@ PromptType = str | dict[str, Any]
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.config, show_progress=not envs.STATESERVE_DISABLE_TQDM)
+        # embedding architectures run on the pooling engine (runner="auto" picks it for them)
+        self.runner_type = select_runner(self.config)
+        engine_cls = PoolingEngine if self.runner_type == "pooling" else LLMEngine
+        self.llm_engine = engine_cls(self.config, show_progress=not envs.STATESERVE_DISABLE_TQDM)
         # at interpreter exit, free caches and weights even if the user forgot shutdown()
         atexit.register(_shutdown_ref, weakref.ref(self))
 
@@ -54,6 +58,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.runner_type == "pooling":
+            raise ValueError(f"{self.llm_engine.model_config.architecture} is an embedding model with no LM head: "
+                             "it cannot generate text; use LLM.embed")
         engine = self.llm_engine
         engine._check_open()
         if isinstance(prompts, (str, dict)):
@@ -77,6 +84,19 @@ class LLM:
             engine.add_request(rid, ids, p, prompt=text, encoder_input=encoder_input)
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One pooled (and, as the model folder asks, normalised) vector per prompt. A prompt is text or a dict
+        with 'prompt' / 'prompt_token_ids' and optional 'token_type_ids'; truncate_prompt_tokens=k keeps the
+        last k tokens (-1: the model's limit)."""
+        if self.runner_type != "pooling":
+            raise ValueError(f"{self.llm_engine.model_config.architecture} has no pooling head: LLM.embed needs an "
+                             "embedding model (BertModel, RobertaModel, XLMRobertaModel)")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self.llm_engine.embed(list(prompts), truncate_prompt_tokens,
+                                     use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -21,6 +21,9 @@ _BUILTIN: dict[str, str] = {
     "BartForConditionalGeneration": "stateserve.models.bart:BartForConditionalGeneration",
     "T5ForConditionalGeneration": "stateserve.models.t5:T5ForConditionalGeneration",
     "WhisperForConditionalGeneration": "stateserve.models.whisper:WhisperForConditionalGeneration",
+    "BertModel": "stateserve.models.bert:BertModel",
+    "RobertaModel": "stateserve.models.bert:RobertaModel",
+    "XLMRobertaModel": "stateserve.models.bert:XLMRobertaModel",
 }
 
 
