@@ -11,12 +11,16 @@ from utils import build_hf_model, make_tokenizer, save_model
 
 BASE = dict(vocab_size=300, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
-            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+            initializer_range=0.06)
+# with its own LM head the tiny model's greedy choices vary from step to step (tied, it repeats a token)
+UNTIED = dict(scale_embedding=True, tie_word_embeddings=False, activation_function="relu")
 
 ENC = [[0, 5, 9, 2], list(range(10, 40)), [7, 3, 8, 250, 251, 11], list(range(100, 157))]
 DEC = [None, [2, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66],
        [30, 31], None]  # [30, 31] gets the decoder start token prepended, as in transformers
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+GREEDY_LP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
 
 
 def _build(tmp_path, **extra):
@@ -24,14 +28,14 @@ def _build(tmp_path, **extra):
     return hf, save_model(hf, str(tmp_path / "bart"))
 
 
-def hf_seq2seq_greedy(hf, enc: list[int], dec: list[int] | None, max_new: int) -> list[int]:
+def hf_seq2seq_greedy(hf, enc: list[int], dec: list[int] | None, max_new: int, **gen_kwargs) -> list[int]:
     gc = hf.generation_config
     gc.eos_token_id = gc.forced_eos_token_id = gc.forced_bos_token_id = None
     kwargs = {} if dec is None else {"decoder_input_ids": torch.tensor([dec])}
     with torch.no_grad():
         ids = torch.tensor([enc])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                          num_beams=1, generation_config=gc, **kwargs)
+                          num_beams=1, generation_config=gc, **kwargs, **gen_kwargs)
     return out[0].tolist()
 
 
@@ -40,10 +44,21 @@ def _prompt(enc, dec):
             "decoder_prompt": None if dec is None else {"prompt_token_ids": dec}}
 
 
-def assert_matches_hf(hf, outs, encs, decs, max_new):
+def assert_matches_hf(hf, outs, encs, decs, max_new, **gen_kwargs):
     for out, enc, dec in zip(outs, encs, decs):
-        ref = hf_seq2seq_greedy(hf, enc, dec, max_new)
+        ref = hf_seq2seq_greedy(hf, enc, dec, max_new, **gen_kwargs)
         assert out.prompt_token_ids + out.outputs[0].token_ids == ref, (enc, dec)
+
+
+def assert_logprobs_match(hf, out, enc: list[int]) -> None:
+    """The engine's logprob of each generated token equals transformers' (log_softmax of its logits)."""
+    full = out.prompt_token_ids + out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([enc]), decoder_input_ids=torch.tensor([full[:-1]])).logits[0]
+    n = len(out.outputs[0].token_ids)
+    ref = logits[-n:].log_softmax(-1).gather(1, torch.tensor(full[-n:])[:, None]).squeeze(1)
+    ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])
+    torch.testing.assert_close(ours, ref.float(), atol=2e-4, rtol=1e-4)
 
 
 def assert_idle(llm):
@@ -53,8 +68,7 @@ def assert_idle(llm):
     assert engine.model_state.encoder_cache_size() == 0
 
 
-@pytest.mark.parametrize("extra", [{}, {"scale_embedding": True, "tie_word_embeddings": False,
-                                        "activation_function": "relu"}], ids=["tied", "untied_scaled_relu"])
+@pytest.mark.parametrize("extra", [{}, UNTIED], ids=["tied", "untied_scaled_relu"])
 def test_greedy_parity_chunked(extra, tmp_path):
     hf, path = _build(tmp_path, **extra)
     with torch.no_grad():  # a non-zero final_logits_bias, so the test sees whether it is applied
@@ -62,8 +76,10 @@ def test_greedy_parity_chunked(extra, tmp_path):
     hf.save_pretrained(path)
     with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, block_size=4,
              enable_prefix_caching=False) as llm:
-        outs = llm.generate([_prompt(e, d) for e, d in zip(ENC, DEC)], GREEDY)
+        outs = llm.generate([_prompt(e, d) for e, d in zip(ENC, DEC)], GREEDY_LP)
         assert_matches_hf(hf, outs, ENC, DEC, GREEDY.max_tokens)
+        for out, enc in zip(outs, ENC):
+            assert_logprobs_match(hf, out, enc)
         assert_idle(llm)
         # plain token ids are the encoder input; decoding starts from decoder_start_token_id
         plain = llm.generate([{"prompt_token_ids": ENC[1]}], GREEDY)[0]
@@ -73,16 +89,16 @@ def test_greedy_parity_chunked(extra, tmp_path):
 
 
 def test_preemption_and_abort_free_the_encoder_cache(tmp_path):
-    hf, path = _build(tmp_path)
+    hf, path = _build(tmp_path, **UNTIED)
     # room for about two sequences' decoder KV: requests get preempted and re-encoded when they resume
     kv_bytes = 2 * 2 * 64 * 4 * 4 * 20  # layers * (k, v) * d_model * fp32 * blocks of 4 tokens
     with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, block_size=4,
              kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False) as llm:
-        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         decs = [[2, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]] * 4
         outs = llm.generate([_prompt(e, d) for e, d in zip(ENC, decs)], params)
         assert llm.llm_engine.stats["preemptions"] > 0
-        assert_matches_hf(hf, outs, ENC, decs, 30)
+        assert_matches_hf(hf, outs, ENC, decs, 20)
         assert_idle(llm)
         engine = llm.llm_engine
         engine.add_request("x", ENC[1], GREEDY)
@@ -94,7 +110,7 @@ def test_preemption_and_abort_free_the_encoder_cache(tmp_path):
 
 
 def test_prefix_cache_keys_depend_on_the_encoder_input(tmp_path):
-    hf, path = _build(tmp_path)
+    hf, path = _build(tmp_path, **UNTIED)
     dec = [2] + list(range(40, 60))  # 21 tokens: five full blocks of 4 can be reused
     encs = [ENC[0], ENC[2], ENC[0]]
     with LLM(path, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=True) as llm:
