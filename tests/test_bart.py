@@ -50,11 +50,13 @@ def assert_matches_hf(hf, outs, encs, decs, max_new, **gen_kwargs):
         assert out.prompt_token_ids + out.outputs[0].token_ids == ref, (enc, dec)
 
 
-def assert_logprobs_match(hf, out, enc: list[int]) -> None:
-    """The engine's logprob of each generated token equals transformers' (log_softmax of its logits)."""
+def assert_logprobs_match(hf, out, enc: list[int] | dict) -> None:
+    """The engine's logprob of each generated token equals transformers' (log_softmax of its logits).
+    enc: encoder token ids, or the encoder's keyword inputs (e.g. {"input_features": ...})."""
     full = out.prompt_token_ids + out.outputs[0].token_ids
+    encoder_kwargs = enc if isinstance(enc, dict) else {"input_ids": torch.tensor([enc])}
     with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([enc]), decoder_input_ids=torch.tensor([full[:-1]])).logits[0]
+        logits = hf(**encoder_kwargs, decoder_input_ids=torch.tensor([full[:-1]])).logits[0]
     n = len(out.outputs[0].token_ids)
     ref = logits[-n:].log_softmax(-1).gather(1, torch.tensor(full[-n:])[:, None]).squeeze(1)
     ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])

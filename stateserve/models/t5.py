@@ -100,7 +100,8 @@ class DecoderBias:
         self.prefill: dict[int, torch.Tensor] = {}  # seq -> [1, H, Lq, ctx + Lq]
         for i in meta.prefill_seqs:
             ctx, qlen = meta.context_lens[i], meta.query_lens[i]
-            rel = torch.arange(ctx + qlen, device=device)[None, :] - torch.arange(ctx, ctx + qlen, device=device)[:, None]
+            keys, queries = torch.arange(ctx + qlen, device=device), torch.arange(ctx, ctx + qlen, device=device)
+            rel = keys[None, :] - queries[:, None]
             self.prefill[i] = scores(rel).transpose(0, 1).unsqueeze(0)
 
 
