@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import JambaConfig, JambaForCausalLM
 
 from stateserve import LLM, SamplingParams
 from stateserve.models.jamba import JambaForCausalLM as OurJamba
+from stateserve.models.loader import iterate_safetensors, load_weights
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
                    save_model)
 
@@ -63,6 +65,11 @@ def test_greedy_parity_chunked(case, tmp_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
         assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS)
+        # the runner planned paged KV for exactly the attention layers and state slots for the Mamba layers
+        storage, kinds = llm.llm_engine.runner.storage, hf.config.layers_block_type
+        attn_layers = [i for i, t in enumerate(kinds) if t == "attention"]
+        assert sorted(storage.kv) == [f"model.layers.{i}.self_attn.attn" for i in attn_layers]
+        assert sorted(storage.states) == [f"model.layers.{i}.mamba" for i in range(len(kinds)) if i not in attn_layers]
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
 
@@ -129,11 +136,8 @@ def test_no_attention_layer_is_attention_free(tmp_path):
 def test_checkpoint_names_load_one_to_one(tmp_path):
     """Every saved tensor maps onto a parameter (the strict loader checks coverage); expert matrices land in
     the rows of their expert, gate before up."""
-    from safetensors.torch import load_file
-
     hf, path = _build(tmp_path)
     ours = OurJamba(hf.config, torch.float32)
-    from stateserve.models.loader import iterate_safetensors, load_weights
     load_weights(ours, iterate_safetensors(path, show_progress=False))
     saved = load_file(f"{path}/model.safetensors")
     moe = ours.model.layers[1].feed_forward
