@@ -40,9 +40,14 @@ def _configs(size: str) -> dict:
     }
 
 
+KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba")
+
+
 def model_folder(kind: str, size: str = "base", dtype: torch.dtype = torch.float32) -> str:
-    """Build (once) a random-weight model of the given kind and size; returns its folder."""
-    path = os.path.join(MODEL_DIR, f"{kind}-{size}")
+    """Build (once) a random-weight model of the given kind and size; returns its folder. Weights are drawn in
+    float32 and stored in `dtype`, so every dtype of one kind and size holds the same (rounded) values."""
+    suffix = "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")
+    path = os.path.join(MODEL_DIR, f"{kind}-{size}{suffix}")
     if os.path.isfile(os.path.join(path, "model.safetensors")) or \
             os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         return path
