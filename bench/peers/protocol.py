@@ -68,6 +68,8 @@ def run_workloads(job: dict, result_path: str, engine: str, version: str, load_s
             entry["prompt_tokens"], entry["output_tokens"], entry["short_requests"] = \
                 useful_tokens(prompts, max_tokens, outputs)
             entry["first_output"] = outputs[0][:max_tokens[0]] if outputs else []
+            if job.get("keep_outputs"):  # every request's tokens, for checks on small jobs
+                entry["outputs"] = [o[:m] for o, m in zip(outputs, max_tokens)]
         except Exception as e:  # one workload failing (unsupported shape, OOM) must not lose the others
             entry["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
