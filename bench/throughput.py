@@ -33,6 +33,7 @@ PEERS = os.path.join(BENCH, "peers")
 ENGINES = ("stateserve", "transformers", "vllm", "llamacpp")
 RUNNERS = {"stateserve": "stateserve_runner.py", "transformers": "hf_runner.py", "vllm": "vllm_runner.py",
            "llamacpp": "llamacpp_runner.py"}
+SHORT = {"stateserve": "ss", "transformers": "tf", "vllm": "vllm", "llamacpp": "lcpp"}
 UNSUPPORTED = {("vllm", "mamba"): "vLLM's CPU backend has no Mamba1"}
 # Prefix caching off: a repeated timed run must recompute, not hit the cache the first run filled.
 ENGINE_KWARGS = {"stateserve": {"enable_prefix_caching": False}, "vllm": {"enable_prefix_caching": False}}
@@ -149,6 +150,7 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
                 engine_job = dict(job, engine_kwargs=ENGINE_KWARGS.get(engine, {}))
                 if engine == "llamacpp":
                     engine_job["gguf"] = convert_gguf(folder, dtype, args)
+                    engine_job["llamacpp_kv_unified"] = args.llamacpp_kv_unified == "on"
                 log_path = os.path.join(log_dir, f"{kind}-{dtype}-{engine}.log")
                 preload = vllm_preload(args.vllm_python, args.vllm_preload) if engine == "vllm" else ""
                 result = run_engine(engine, engine_job, pythons[engine], log_path, args.timeout, preload)
@@ -179,8 +181,10 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
 def format_table(rows: list[dict], engines: list[str]) -> str:
     peers = [e for e in engines if e != "stateserve"]
     head = f"{'model':<7} {'dtype':<9} {'workload':<8} " + " ".join(f"{e:>12}" for e in engines) + \
-        "".join(f" {'ss/' + p[:8]:>12}" for p in peers) + f" {'of roofline':>11}  agree(tf)"
-    lines = ["tok/s (decode, serve: generated tokens/s; prefill: prompt tokens/s)", head, "-" * len(head)]
+        "".join(f" {'ss/' + p[:8]:>12}" for p in peers) + f" {'of roofline':>11}  agree with transformers"
+    lines = ["tok/s (decode, serve: generated tokens/s; prefill: prompt tokens/s); roofline: stateserve decode vs "
+             "weight bytes / copy bandwidth; agreement: greedy tokens of the first request equal to transformers'",
+             head, "-" * len(head)]
     keys = list(dict.fromkeys((r["model"], r["dtype"], r["workload"]) for r in rows))  # run order
     for key in keys:
         by_engine = {r["engine"]: r for r in rows if (r["model"], r["dtype"], r["workload"]) == key}
@@ -191,7 +195,8 @@ def format_table(rows: list[dict], engines: list[str]) -> str:
         ss = by_engine.get("stateserve", {})
         roof = f"{ss['of_roofline'] * 100:>10.0f}%" if ss.get("of_roofline") else f"{'':>11}"
         lines.append(f"{key[0]:<7} {key[1]:<9} {key[2]:<8} " + " ".join(cells) + " " + " ".join(ratios) +
-                     f" {roof}  {ss.get('agree_with_transformers', '')}")
+                     f" {roof}  " + " ".join(f"{SHORT[e]} {by_engine[e]['agree_with_transformers']}" for e in engines
+                                             if by_engine.get(e, {}).get("agree_with_transformers")))
     errors = [f"  {r['model']} {r['dtype']} {r['workload']} {r['engine']}: {r['error']}" for r in rows
               if r.get("error")]
     unique = list(dict.fromkeys(errors))
@@ -244,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "tcmalloc and the venv's libiomp5 for vLLM where they exist, as vLLM's CPU guide advises")
     p.add_argument("--llamacpp-python", default=None, help="Python of a venv with llama-cpp-python installed")
     p.add_argument("--llamacpp-convert", default=None, help="convert_hf_to_gguf.py of the llama-cpp-python sdist")
+    p.add_argument("--llamacpp-kv-unified", default="on", choices=["on", "off"],
+                   help="llama.cpp: one KV buffer for all sequences (on) or one stream per sequence (off)")
     p.add_argument("--convert-python", default=sys.executable, help="Python that runs the GGUF converter "
                    "(needs torch, numpy, pyyaml; default: this one)")
     args = p.parse_args(argv)
