@@ -167,6 +167,8 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
                    "tok_s": tok_per_s(entry, counts), "version": result.get("version"),
                    "load_s": result.get("load_s"), "ld_preload": result.get("ld_preload"),
                    **{k: v for k, v in entry.items() if k != "first_output"}}
+            if entry.get("short_requests"):  # counted honestly, but the engine did not do the whole job
+                row["error"] = f"{entry['short_requests']} request(s) stopped short of max_tokens"
             if name == "decode" and row["tok_s"]:
                 row["roofline_tok_s"], row["of_roofline"] = roof["max_tok_s"], row["tok_s"] / roof["max_tok_s"]
             outputs[(engine, name)] = entry.get("first_output")
@@ -200,7 +202,7 @@ def format_table(rows: list[dict], engines: list[str]) -> str:
     errors = [f"  {r['model']} {r['dtype']} {r['workload']} {r['engine']}: {r['error']}" for r in rows
               if r.get("error")]
     unique = list(dict.fromkeys(errors))
-    return "\n".join(lines + (["not measured:"] + unique if unique else []))
+    return "\n".join(lines + (["not measured or incomplete:"] + unique if unique else []))
 
 
 def plot(rows: list[dict], engines: list[str], workloads: list[str], path: str) -> bool:
