@@ -130,10 +130,7 @@ class BambaForCausalLM(ModelBase):
         cfg = hf_config
         self.dynamic_rope = rope_parameters(cfg)["rope_type"] == "dynamic"
         self.model = BambaModel(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:

@@ -33,6 +33,13 @@ class ModelBase(nn.Module):
         """Checkpoint tensor name -> (parameter name, shard index or None); None skips the tensor."""
         return name, None
 
+    def add_lm_head(self, cfg: Any, embed_param: str = "model.embed_tokens.weight", tie_default: bool = False) -> None:
+        """The output projection, sharing the embedding matrix when the config ties them."""
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if getattr(cfg, "tie_word_embeddings", tie_default):
+            self.tied_params = {"lm_head.weight": embed_param}
+            self.tie_weights_()
+
     def tie_weights_(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         for dst, src in self.tied_params.items():

@@ -120,10 +120,7 @@ class FalconH1ForCausalLM(ModelBase):
         self.lm_head_multiplier = multiplier(cfg, "lm_head_multiplier")
         self.dynamic_rope = rope_parameters(cfg)["rope_type"] == "dynamic"
         self.model = FalconH1Model(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # [T, hidden]

@@ -190,10 +190,7 @@ class GraniteMoeHybridForCausalLM(ModelBase):
         self.dynamic_rope = (getattr(cfg, "position_embedding_type", None) == "rope"
                              and rope_parameters(cfg)["rope_type"] == "dynamic")
         self.model = GraniteMoeHybridModel(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:

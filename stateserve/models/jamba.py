@@ -118,10 +118,7 @@ class JambaForCausalLM(ModelBase):
         super().__init__(hf_config)
         cfg = hf_config
         self.model = JambaModel(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:

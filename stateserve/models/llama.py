@@ -96,10 +96,7 @@ class LlamaForCausalLM(ModelBase):
         qkv_bias = self._qkv_bias(cfg)
         self.dynamic_rope = rope_parameters(cfg)["rope_type"] == "dynamic"
         self.model = LlamaModel(cfg, dtype, qkv_bias)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     @staticmethod
     def _qkv_bias(cfg: Any) -> bool:

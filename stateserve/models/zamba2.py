@@ -222,10 +222,7 @@ class Zamba2ForCausalLM(ModelBase):
         _check_config(cfg)
         self.dynamic_rope = bool(cfg.use_mem_rope) and rope_parameters(cfg)["rope_type"] == "dynamic"
         self.model = Zamba2Model(cfg, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.tied_params = {"lm_head.weight": "model.embed_tokens.weight"}
-            self.tie_weights_()
+        self.add_lm_head(cfg)
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:
