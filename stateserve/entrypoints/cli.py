@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         server = None
     if server is not None and hasattr(server, "add_serve_parser"):
         server.add_serve_parser(sub)
+    from stateserve.entrypoints import bench
+
+    bench.add_bench_parser(sub)
     return parser
 
 
