@@ -13,6 +13,7 @@ logger = logging.getLogger("stateserve")
 _lock = threading.Lock()
 _module = None
 _failed = False
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "ssm_update.cpp")
 
 
 def load():
@@ -25,10 +26,11 @@ def load():
             try:
                 from torch.utils.cpp_extension import load as build
 
-                src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "paged_attention.cpp")
+                csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+                sources = [os.path.join(csrc, name) for name in _SOURCES]
                 build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
                 os.makedirs(build_dir, exist_ok=True)
-                _module = build(name="stateserve_cpu_kernels", sources=[src], build_directory=build_dir,
+                _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                 verbose=False)
             except Exception as e:  # any build problem: run the PyTorch path instead

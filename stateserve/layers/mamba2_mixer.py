@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
+from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
                                          conv_state_at, sequence_chunks)
@@ -221,8 +222,12 @@ class Mamba2Mixer(StatefulLayer):
         conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots)
         x, B, C = self._split_xbc(self.act(conv_out))
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
-        y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
-        ssm_states.index_copy_(0, slots, new_state)
+        kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
+        if kernels is not None and ssm_states.dtype == torch.float32:
+            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, self.D)  # in place, [S, H, P]
+        else:
+            y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
+            ssm_states.index_copy_(0, slots, new_state)
         for i, off, dst in meta.checkpoints:
             if off != 1:
                 raise ValueError(f"state checkpoint offset {off} in a decode step (one token per sequence)")

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
+from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
-from stateserve.layers.recurrent import StatefulLayer, causal_conv1d_prefill, checkpoints_of, conv_state_at
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
+                                         conv_state_at)
 
 # Elements of one [Q, D, N] float32 scan temporary; the scan chunk Q is chosen to stay under it.
 SCAN_BUDGET_ELEMENTS = 1 << 23
@@ -93,10 +95,15 @@ def selective_state_update(ssm_state: torch.Tensor, slots: torch.Tensor, u: torc
 
     u, dt_raw (before bias), z: [S, D]; B, C: [S, N]; A: [D, N] float32. Returns the gated output [S, D]."""
     dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
-    dt32 = dt.float()[:, :, None]
-    h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
-    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-    y = torch.matmul(h.to(C.dtype), C[:, :, None]).squeeze(-1)  # [S, D]
+    kernels = cpu_kernels.load() if ssm_state.device.type == "cpu" else None
+    if kernels is not None and ssm_state.dtype == torch.float32 and C.dtype in (torch.float32, torch.bfloat16):
+        # the same update in one pass over each state, in place
+        y = kernels.selective_state_update_(ssm_state, slots, u, dt, A, B, C, C.dtype == torch.bfloat16).to(C.dtype)
+    else:
+        dt32 = dt.float()[:, :, None]
+        h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
+        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+        y = torch.matmul(h.to(C.dtype), C[:, :, None]).squeeze(-1)  # [S, D]
     y = y + u * D.to(u.dtype)
     return y * F.silu(z)
 
@@ -196,11 +203,11 @@ class MambaMixer(StatefulLayer):
         """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         slots = meta.slots[seqs] if len(seqs) != len(meta.query_lens) else meta.slots
-        window = torch.cat([conv_state[slots].to(u.dtype), u[:, :, None]], dim=-1)  # [S', D, K]
-        conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
-        weight = self._conv_weight()
-        u = F.silu(F.conv1d(window.to(weight.dtype), weight[:, None], self.conv1d.bias,
-                            groups=self.intermediate_size).squeeze(-1)).to(u.dtype)
+        # a float32 multiply-sum over the K-token window rounded once, as transformers' F.conv1d with its bias
+        # (F.conv1d itself costs ~10x more on a one-token window)
+        bias = self.conv1d.bias.float() if self.conv1d.bias is not None else None
+        conv = causal_conv1d_decode(u.float(), self._conv_weight().float(), bias, conv_state, slots)
+        u = F.silu(conv.to(u.dtype))
         dt_raw, B, C = self._ssm_inputs(u)
         A = -torch.exp(self.A_log.float())
         y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias.float(), A, B, C, self.D, z)

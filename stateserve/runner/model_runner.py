@@ -15,6 +15,7 @@ from stateserve.cache.storage import CachePlan, CacheStorage, plan_caches
 from stateserve.config import EngineConfig, ModelConfig
 from stateserve.engine.scheduler import SchedulerOutput
 from stateserve.layers.attention import Attention
+from stateserve.layers.linear import install_fast_linear
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
 from stateserve.models.loader import init_dummy_weights, iterate_safetensors, load_weights
@@ -64,6 +65,7 @@ class ModelRunner:
         else:
             load_weights(model, iterate_safetensors(self.model_config.path, show_progress))
         self.model = model.eval().requires_grad_(False)
+        install_fast_linear(self.model, self.model_config.dtype, self.device)
         used = self._allocated_bytes() - before
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters())

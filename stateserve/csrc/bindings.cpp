@@ -1,0 +1,20 @@
+// The Python module of the CPU kernels: one binding per kernel, the kernels live in their own files.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool fast_linear_supported(c10::ScalarType dtype);
+torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
+                                torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D);
+torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
+                                      torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
+                                      bool round_to_bf16);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)");
+  m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y");
+  m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h");
+  m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype");
+}

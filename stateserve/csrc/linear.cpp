@@ -1,0 +1,195 @@
+// y = x @ W^T (+ bias) for few rows of x: the shape of a decode step. W keeps nn.Linear's [N, K] layout, so
+// each output is a dot product along contiguous memory. Register tiles of MR rows of x by NR rows of W,
+// one AVX-512 accumulator per output, reduced once at the end. Every output is summed in the same order
+// whatever the number of rows, so a request's logits do not depend on what it is batched with.
+// Why it exists: PyTorch's CPU GEMV/small-M matmul on this class of machine streams weights at well under
+// half the memory bandwidth in float32, and bfloat16 GEMV is slower still; decoding is exactly that op.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SS_HAVE_AVX512 1
+#else
+#define SS_HAVE_AVX512 0
+#endif
+#if defined(__AVX512BF16__)
+#define SS_HAVE_AVX512BF16 1
+#else
+#define SS_HAVE_AVX512BF16 0
+#endif
+
+namespace {
+
+constexpr int kNR = 4;  // rows of W per tile
+constexpr int kMR = 4;  // rows of x per tile
+
+#if SS_HAVE_AVX512
+// float32: 16 lanes of k per step.
+template <int MR, int NR>
+inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
+                     int64_t ldo, const float* bias, const float* pf) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = _mm512_loadu_ps(w + j * ldw + k);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
+}
+#endif
+
+#if SS_HAVE_AVX512BF16
+// bfloat16: vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes per step.
+template <int MR, int NR>
+inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
+                      at::BFloat16* out, int64_t ldo, const at::BFloat16* bias, const at::BFloat16* pf) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  const auto* ws = reinterpret_cast<const uint16_t*>(w);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * ldw + k);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((K - k) >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u));
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + j * ldw + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const float b = bias ? static_cast<float>(bias[j]) : 0.f;
+      out[i * ldo + j] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][j]) + b);
+    }
+}
+#endif
+
+// Dispatch a tile of runtime size (mr <= kMR, nr <= kNR) to its compiled template.
+#define SS_TILE_FN(NAME, T)                                                                                  \
+  template <int MR>                                                                                          \
+  inline void NAME##_nr(int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out,        \
+                        int64_t ldo, const T* bias, const T* pf) {                                                        \
+    switch (nr) {                                                                                            \
+      case 4: NAME<MR, 4>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                         \
+      case 3: NAME<MR, 3>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                         \
+      case 2: NAME<MR, 2>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                         \
+      default: NAME<MR, 1>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                        \
+    }                                                                                                        \
+  }                                                                                                          \
+  inline void NAME##_any(int mr, int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out, \
+                         int64_t ldo, const T* bias, const T* pf) {                                                       \
+    switch (mr) {                                                                                            \
+      case 4: NAME##_nr<4>(nr, x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                    \
+      case 3: NAME##_nr<3>(nr, x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                    \
+      case 2: NAME##_nr<2>(nr, x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                    \
+      default: NAME##_nr<1>(nr, x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                   \
+    }                                                                                                        \
+  }
+
+#if SS_HAVE_AVX512
+SS_TILE_FN(tile_f32, float)
+#endif
+#if SS_HAVE_AVX512BF16
+SS_TILE_FN(tile_bf16, at::BFloat16)
+#endif
+
+// Threads split W's rows; each thread walks its W tiles once and reuses each tile (hot in L1) for all rows of x.
+template <typename T, typename TileFn>
+void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64_t N, T* out, const T* bias,
+                TileFn tile) {
+  const int64_t num_tiles = (N + kNR - 1) / kNR;
+  at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kNR;
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+        // Prefetch the next tile of W (streamed from DRAM) while this one is multiplied: one tile ahead is
+        // 4*K elements, far enough to hide the latency, near enough to stay in L1.
+        tile(mr, nr, x + m0 * ldx, ldx, w + n0 * K, K, K, out + m0 * N + n0, N, bias ? bias + n0 : nullptr,
+             w + std::min<int64_t>(n0 + kNR, N - 1) * K);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool fast_linear_supported(c10::ScalarType dtype) {
+  if (dtype == at::kFloat) return SS_HAVE_AVX512;
+  if (dtype == at::kBFloat16) return SS_HAVE_AVX512BF16;
+  return false;
+}
+
+// x: [M, K] with unit stride along K; weight: [N, K] contiguous; bias: [N] or empty. Returns [M, N].
+torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "fast_linear: x must be [M, K] and weight [N, K]");
+  TORCH_CHECK(x.size(1) == weight.size(1), "fast_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "fast_linear: x and weight dtypes differ");
+  TORCH_CHECK(fast_linear_supported(x.scalar_type()), "fast_linear: dtype not supported by this build");
+  if (x.stride(1) != 1) x = x.contiguous();
+  TORCH_CHECK(weight.is_contiguous(), "fast_linear: weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == N && b.scalar_type() == x.scalar_type(), "fast_linear: bias must be [N], same dtype");
+  }
+  if (M == 0 || N == 0) return out;
+#if SS_HAVE_AVX512
+  if (x.scalar_type() == at::kFloat) {
+    run_linear<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), K, M, N, out.data_ptr<float>(),
+                      b.defined() ? b.data_ptr<float>() : nullptr,
+                      [](int mr, int nr, const float* xp, int64_t ldx, const float* wp, int64_t ldw, int64_t k,
+                         float* op, int64_t ldo, const float* bp, const float* pf) {
+                        tile_f32_any(mr, nr, xp, ldx, wp, ldw, k, op, ldo, bp, pf);
+                      });
+    return out;
+  }
+#endif
+#if SS_HAVE_AVX512BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    using bf = at::BFloat16;
+    run_linear<bf>(x.data_ptr<bf>(), x.stride(0), weight.data_ptr<bf>(), K, M, N, out.data_ptr<bf>(),
+                   b.defined() ? b.data_ptr<bf>() : nullptr,
+                   [](int mr, int nr, const bf* xp, int64_t ldx, const bf* wp, int64_t ldw, int64_t k, bf* op,
+                      int64_t ldo, const bf* bp, const bf* pf) { tile_bf16_any(mr, nr, xp, ldx, wp, ldw, k, op, ldo, bp, pf); });
+    return out;
+  }
+#endif
+  TORCH_CHECK(false, "fast_linear: unreachable");
+}
