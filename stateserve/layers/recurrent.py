@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
+from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import StateMetadata
 
 
@@ -51,8 +52,18 @@ def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One new token per sequence. x: [S, C]; conv_state: [num_slots, C, K-1] updated in place at `slots`."""
+                         conv_state: torch.Tensor, slots: torch.Tensor, float_accumulate: bool = False) -> torch.Tensor:
+    """One new token per sequence. x: [S, C]; conv_state: [num_slots, C, K-1] updated in place at `slots`.
+
+    float_accumulate=False rounds like `(window * weight).sum(-1) + bias` in x's dtype (transformers' Mamba2
+    decode); True sums products and bias in float32 and rounds once, like F.conv1d (its Mamba1 decode)."""
+    kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+    if kernels is not None and x.dtype == conv_state.dtype == weight.dtype and conv_state.is_contiguous():
+        return kernels.conv1d_update_(conv_state, slots, x, weight, bias, float_accumulate)
+    if float_accumulate:
+        out_dtype = x.dtype
+        bias = bias.float() if bias is not None else None
+        return causal_conv1d_decode(x.float(), weight.float(), bias, conv_state, slots).to(out_dtype)
     window = torch.cat([conv_state[slots].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [S, C, K]
     y = (window * weight.unsqueeze(0)).sum(-1)
     if bias is not None:
