@@ -65,6 +65,13 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
     after each requested offset (1 <= offset <= L). Only [Q, D, N] temporaries exist at any time."""
     L, d_inner = u.shape
     d_state = A.shape[1]
+    kernels = cpu_kernels.load() if u.device.type == "cpu" else None
+    if kernels is not None and u.dtype in (torch.float32, torch.bfloat16):
+        offsets = sorted(set(snapshot_offsets))
+        # y's product with C rounds the state to u's dtype first, as the matmul below does
+        y32, h, snaps = kernels.selective_scan_fwd(u.float(), dt.float(), A.float(), B.float(), C.float(),
+                                                   h0, offsets, u.dtype == torch.bfloat16)
+        return y32.to(u.dtype), h, {off: snaps[i] for i, off in enumerate(offsets)}
     q = chunk_size or scan_chunk_size(d_inner, d_state)
     y = u.new_empty(L, d_inner)
     h = h0.float() if h0 is not None else A.new_zeros(d_inner, d_state)

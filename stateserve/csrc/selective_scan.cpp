@@ -1,0 +1,129 @@
+// Mamba1 prefill: the selective scan of one sequence's chunk, sequential in time, with the state in registers.
+// h_t[d, n] = exp(dt_t[d] * A[d, n]) * h_{t-1}[d, n] + (dt_t[d] * B_t[n]) * u_t[d];  y_t[d] = sum_n h_t[d, n] C_t[n].
+// PyTorch has to materialise [tokens, D, N] decay and input tensors (transformers: for the whole prompt; our
+// PyTorch path: per chunk, with a log-depth scan). Here each thread owns 16 channels, keeps their N states in
+// AVX-512 registers (one lane per channel) and streams the tokens once: memory stays O(L * D), like the input.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+// exp(x) for float32 lanes: x = k ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial for e^r (relative error
+// ~2e-7, two float ulps), then scaled by 2^k with scalef (which underflows to 0 for very negative x).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // ln2 split in hi + lo for accuracy
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+inline __m512 round_bf16_ps(__m512 v) {  // float32 -> bfloat16 (round to nearest even) -> float32
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+}  // namespace
+#endif
+
+// u, dt: [L, D] float32 (dt after bias and softplus); A: [D, N] float32; B, C: [L, N] float32; h0: [D, N] float32
+// or empty (zeros); offsets: token counts (1..L) after which the state is wanted.
+// Returns (y [L, D] float32, final state [D, N], states after each offset [num_offsets, D, N]).
+std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                              torch::Tensor C, c10::optional<torch::Tensor> h0,
+                                              std::vector<int64_t> offsets, bool round_to_bf16) {
+  for (const auto* t : {&u, &dt, &A, &B, &C})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "selective_scan_fwd: float32 inputs");
+  u = u.contiguous();
+  dt = dt.contiguous();
+  A = A.contiguous();
+  B = B.contiguous();
+  C = C.contiguous();
+  const int64_t L = u.size(0), D = u.size(1), N = A.size(1);
+  TORCH_CHECK(dt.size(0) == L && dt.size(1) == D && A.size(0) == D && B.size(0) == L && B.size(1) == N &&
+                  C.size(0) == L && C.size(1) == N,
+              "selective_scan_fwd: shapes do not agree");
+  for (int64_t off : offsets) TORCH_CHECK(off >= 1 && off <= L, "selective_scan_fwd: offset ", off, " outside 1..", L);
+  auto h = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone() : torch::zeros({D, N}, u.options());
+  auto y = torch::empty({L, D}, u.options());
+  auto snaps = torch::empty({static_cast<int64_t>(offsets.size()), D, N}, u.options());
+  std::vector<int64_t> want(L + 1, -1);  // want[t] = index of the snapshot taken after t tokens
+  for (size_t i = 0; i < offsets.size(); ++i) want[offsets[i]] = static_cast<int64_t>(i);
+  const float *up = u.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>(), *sp = snaps.data_ptr<float>();
+  constexpr int64_t kLanes = 16;
+  const int64_t num_blocks = (D + kLanes - 1) / kLanes;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t d0 = blk * kLanes, width = std::min(kLanes, D - d0);
+#if defined(__AVX512F__)
+      if (N <= 32) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
+        // lane j holds channel d0 + j; the state is kept transposed: hv[n] = h[d0 .. d0+15, n]
+        __m512 hv[32], av[32];
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int>(N)));
+        for (int64_t n = 0; n < N; ++n) {
+          hv[n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, hp + d0 * N + n, 4);
+          av[n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, Ap + d0 * N + n, 4);
+        }
+        for (int64_t t = 0; t < L; ++t) {
+          const __m512 dtv = _mm512_maskz_loadu_ps(mask, dtp + t * D + d0);
+          const __m512 uv = _mm512_maskz_loadu_ps(mask, up + t * D + d0);
+          const float* bt = Bp + t * N;
+          const float* ct = Cp + t * N;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t n = 0; n < N; ++n) {
+            const __m512 decay = exp_ps(_mm512_mul_ps(dtv, av[n]));
+            const __m512 inp = _mm512_mul_ps(_mm512_mul_ps(dtv, _mm512_set1_ps(bt[n])), uv);  // (dt * B) * u
+            hv[n] = _mm512_fmadd_ps(decay, hv[n], inp);
+            const __m512 hr = round_to_bf16 ? round_bf16_ps(hv[n]) : hv[n];
+            acc = _mm512_fmadd_ps(hr, _mm512_set1_ps(ct[n]), acc);
+          }
+          _mm512_mask_storeu_ps(yp + t * D + d0, mask, acc);
+          if (want[t + 1] >= 0) {
+            float* dst = sp + want[t + 1] * D * N;
+            for (int64_t n = 0; n < N; ++n) _mm512_mask_i32scatter_ps(dst + d0 * N + n, mask, idx, hv[n], 4);
+          }
+        }
+        for (int64_t n = 0; n < N; ++n) _mm512_mask_i32scatter_ps(hp + d0 * N + n, mask, idx, hv[n], 4);
+        continue;
+      }
+#endif
+      // portable path: one channel at a time
+      for (int64_t d = d0; d < d0 + width; ++d) {
+        float* hd = hp + d * N;
+        const float* ad = Ap + d * N;
+        for (int64_t t = 0; t < L; ++t) {
+          const float dv = dtp[t * D + d], uv = up[t * D + d];
+          float acc = 0.f;
+          for (int64_t n = 0; n < N; ++n) {
+            hd[n] = std::exp(dv * ad[n]) * hd[n] + (dv * Bp[t * N + n]) * uv;
+            const float hr = round_to_bf16 ? static_cast<float>(static_cast<at::BFloat16>(hd[n])) : hd[n];
+            acc += hr * Cp[t * N + n];
+          }
+          yp[t * D + d] = acc;
+          if (want[t + 1] >= 0) std::copy(hd, hd + N, sp + (want[t + 1] * D + d) * N);
+        }
+      }
+    }
+  });
+  return {y, h, snaps};
+}

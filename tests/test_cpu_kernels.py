@@ -1,0 +1,133 @@
+"""The fused C++ CPU kernels of recurrent layers and norms against their PyTorch paths (the kernels switched
+off), including in-place state updates at the given slots only, snapshots and bfloat16 rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stateserve.layers import cpu_kernels
+from stateserve.layers.norm import RMSNorm
+from stateserve.layers.recurrent import causal_conv1d_decode
+from stateserve.layers.selective_scan import selective_scan_prefill, selective_state_update
+from stateserve.layers.ssd import ssd_decode_step
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ CPU kernels unavailable")
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """Run the PyTorch fallbacks: the reference the kernels must reproduce."""
+    def use(enabled: bool) -> None:
+        monkeypatch.setattr(cpu_kernels, "load", (lambda: kernels) if enabled else (lambda: None))
+    return use
+
+
+def _close(a, b, tol):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, no_kernels):
+    g = torch.Generator().manual_seed(1)
+    L, D, N = 37, 40, 16  # D not a multiple of 16: a partial lane block
+    u = torch.randn(L, D, generator=g).to(dtype)
+    dt = (torch.rand(L, D, generator=g) * 0.5 + 0.01).to(dtype)
+    A = -torch.rand(D, N, generator=g) * 2
+    B, C = torch.randn(L, N, generator=g).to(dtype), torch.randn(L, N, generator=g).to(dtype)
+    h0 = torch.randn(D, N, generator=g)
+    offsets = [1, 16, 17, 37]
+    no_kernels(False)
+    ref_y, ref_h, ref_s = selective_scan_prefill(u, dt, A, B, C, h0, offsets, chunk_size=8)
+    no_kernels(True)
+    y, h, snaps = selective_scan_prefill(u, dt, A, B, C, h0, offsets)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _close(y, ref_y, tol)
+    _close(h, ref_h, 1e-5)
+    assert sorted(snaps) == offsets
+    for off in offsets:
+        _close(snaps[off], ref_s[off], 1e-5)
+    assert torch.equal(snaps[37], h)
+    # h0 is an input, not updated in place
+    y2, _, _ = selective_scan_prefill(u, dt, A, B, C, h0, offsets)
+    assert torch.equal(y, y2)
+
+
+def test_mamba1_scan_breaks_when_state_is_not_carried(no_kernels):
+    """Sanity of the comparison itself: dropping the initial state must show up."""
+    g = torch.Generator().manual_seed(2)
+    u, dt = torch.randn(8, 16, generator=g), torch.rand(8, 16, generator=g) * 0.1
+    A, B, C = -torch.rand(16, 4, generator=g), torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    with_state, _, _ = selective_scan_prefill(u, dt, A, B, C, torch.randn(16, 4, generator=g) * 10)
+    without, _, _ = selective_scan_prefill(u, dt, A, B, C, None)
+    assert (with_state - without).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba1_state_update_in_place_at_slots(dtype, no_kernels):
+    g = torch.Generator().manual_seed(3)
+    S, D, N, slots_n = 3, 24, 16, 6
+    state = torch.randn(slots_n, D, N, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    args = [torch.randn(S, D, generator=g).to(dtype), torch.randn(S, D, generator=g).to(dtype),
+            torch.randn(D, generator=g), -torch.rand(D, N, generator=g), torch.randn(S, N, generator=g).to(dtype),
+            torch.randn(S, N, generator=g).to(dtype), torch.randn(D, generator=g), torch.randn(S, D, generator=g).to(dtype)]
+    u, dt_raw, dt_bias, A, B, C, Dskip, z = args
+    ref_state = state.clone()
+    no_kernels(False)
+    ref = selective_state_update(ref_state, slots, u, dt_raw, dt_bias, A, B, C, Dskip, z)
+    no_kernels(True)
+    got = selective_state_update(state, slots, u, dt_raw, dt_bias, A, B, C, Dskip, z)
+    _close(got, ref, 1e-5 if dtype == torch.float32 else 2e-2)
+    _close(state, ref_state, 1e-5)
+    assert torch.equal(state[[1, 3, 5]], ref_state[[1, 3, 5]])  # other slots untouched
+
+
+def test_mamba2_state_update_in_place_at_slots():
+    g = torch.Generator().manual_seed(4)
+    S, H, P, N, G, slots_n = 2, 4, 8, 16, 2, 5
+    states = torch.randn(slots_n, H, P, N, generator=g)
+    untouched = states.clone()
+    slots = torch.tensor([3, 1])
+    x, dt = torch.randn(S, H, P, generator=g), torch.rand(S, H, generator=g)
+    A, D = -torch.rand(H, generator=g), torch.randn(H, generator=g)
+    B, C = torch.randn(S, G, N, generator=g), torch.randn(S, G, N, generator=g)
+    ref_y, ref_state = ssd_decode_step(states[slots], x, dt, A, B, C, D)
+    y = kernels.ssd_state_update_(states, slots, x, dt, A, B, C, D)
+    _close(y, ref_y, 1e-5)
+    _close(states[slots], ref_state, 1e-5)
+    assert torch.equal(states[[0, 2, 4]], untouched[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("dtype,float_accumulate", [(torch.float32, False), (torch.bfloat16, False),
+                                                     (torch.bfloat16, True)])
+def test_conv_update_matches_pytorch(dtype, float_accumulate, no_kernels):
+    g = torch.Generator().manual_seed(5)
+    S, Cn, K, slots_n = 3, 20, 4, 5
+    conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
+    ref_conv = conv.clone()
+    slots = torch.tensor([2, 0, 4])
+    x, w, b = (torch.randn(S, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
+               torch.randn(Cn, generator=g).to(dtype))
+    no_kernels(False)
+    ref = causal_conv1d_decode(x, w, b, ref_conv, slots, float_accumulate)
+    no_kernels(True)
+    got = causal_conv1d_decode(x, w, b, conv, slots, float_accumulate)
+    assert got.dtype == dtype
+    # same rounding points as the PyTorch expression: equal up to the order of a 4-term float32 sum
+    _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(conv, ref_conv)  # the shifted window is exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_pytorch(dtype, no_kernels):
+    norm = RMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = torch.randn(5, 48).to(dtype)
+    no_kernels(False)
+    ref = norm(x)
+    no_kernels(True)
+    got = norm(x)
+    assert got.dtype == dtype
+    _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
