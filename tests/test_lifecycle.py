@@ -108,3 +108,83 @@ def test_prompt_that_can_never_fit_is_rejected(llama_path):
         with pytest.raises(ValueError, match="needs 4 KV blocks"):
             llm.generate([{"prompt_token_ids": [5] * 60}])
         assert len(llm.generate([{"prompt_token_ids": [5] * 20}])) == 1
+
+
+# ---- activation profiling and cache sizing -----------------------------------------------------------------
+def _bert(tmp_path_factory):
+    from transformers import BertConfig, BertModel
+    from utils import build_hf_model, save_model
+    hf = build_hf_model(BertConfig, BertModel, vocab_size=120, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=40, type_vocab_size=2)
+    return save_model(hf, str(tmp_path_factory.mktemp("bert")))
+
+
+def _bart(tmp_path_factory):
+    from transformers import BartConfig, BartForConditionalGeneration
+    from utils import build_hf_model, save_model
+    hf = build_hf_model(BartConfig, BartForConditionalGeneration, vocab_size=300, d_model=32, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    return save_model(hf, str(tmp_path_factory.mktemp("bart")))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mamba", "mamba2", "bamba", "bert", "bart"])
+def test_profile_runs_for_every_kind(kind, tmp_path_factory, caplog):
+    from stateserve.runner import model_runner
+
+    path = {"bert": _bert, "bart": _bart}.get(kind, lambda f: model_path(kind, f))(tmp_path_factory)
+    model_runner._cpu_profiles.clear()  # measure now, not from an earlier test's engine
+    with caplog.at_level(logging.INFO, logger="stateserve"):
+        with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=300) as llm:
+            runner = llm.llm_engine.runner
+            if kind == "bart":  # no dummy forward: a decoder step needs a real encoder input
+                assert runner.activation_source.startswith("estimated")
+                assert runner.activation_bytes == 300 * 300 * 4 * 2
+            else:
+                assert runner.activation_source == "measured", runner.activation_source
+                assert "Activation memory:" in caplog.text and "dummy forward of 256 tokens" in caplog.text
+                assert len(model_runner._cpu_profiles) == 1  # kept: the next engine of this config skips it
+            if runner.storage is not None:  # nothing of the dummy forward is left in any cache
+                for t in [t for kv in runner.storage.kv.values() for t in kv] + \
+                         [t for layer in runner.storage.states.values() for t in layer.values()]:
+                    assert not t.any()
+            for m in runner.model.modules():
+                if hasattr(m, "states") and runner.storage is not None and not runner.storage.states:
+                    assert m.states is None  # temporary profile states were unbound
+    if kind == "bert":
+        with LLM(path, skip_tokenizer_init=True) as llm:
+            assert len(llm.embed([{"prompt_token_ids": [5, 6, 7]}])) == 1
+
+
+def test_profile_sees_activations_and_scales(tmp_path_factory, monkeypatch):
+    from stateserve.runner import model_runner
+
+    path = model_path("llama", tmp_path_factory)
+    model_runner._cpu_profiles.clear()
+    # wide enough that a 256-token forward needs megabytes: [256, 8192] float32 MLP activations are 8 MiB
+    kw = dict(skip_tokenizer_init=True, load_format="dummy", hf_overrides={"intermediate_size": 8192})
+    with LLM(path, max_num_batched_tokens=256, **kw) as llm:
+        small = llm.llm_engine.runner.activation_bytes
+    assert small > 4 << 20
+    with LLM(path, max_num_batched_tokens=1024, **kw) as llm:  # same 256-token forward, scaled by 4
+        assert llm.llm_engine.runner.activation_bytes == 4 * small
+
+
+def test_cpu_budget_subtracts_activations(llama_path, monkeypatch):
+    from stateserve.runner import model_runner
+
+    with LLM(llama_path, skip_tokenizer_init=True) as llm:
+        runner = llm.llm_engine.runner
+        monkeypatch.setattr(model_runner, "_available_host_memory", lambda: 10 << 30)
+        runner.activation_bytes = 0
+        assert runner.cache_budget_bytes() == 4 << 30  # the default space fits in 40% of 10 GiB
+        runner.activation_bytes = 2 << 30
+        assert runner.cache_budget_bytes() == int(0.4 * (8 << 30))
+        monkeypatch.setenv("STATESERVE_CPU_KV_CACHE_SPACE", "1")
+        envs.disable_envs_cache()
+        try:
+            assert runner.cache_budget_bytes() == 1 << 30
+        finally:
+            monkeypatch.delenv("STATESERVE_CPU_KV_CACHE_SPACE")
+            envs.disable_envs_cache()
