@@ -181,8 +181,9 @@ def test_decode_matches_prefill_and_fresh_slots_start_from_zero():
             layer.states["conv"][2].fill_(3.0)
             out = layer(torch.stack([x[t], x[0]]), _meta([1, 1], [1, 2], [True, False]))
             stepped.append(out[:1])
-            torch.testing.assert_close(out[1], full[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(torch.cat(stepped), full, atol=1e-5, rtol=1e-5)
+            # chunked prefill vs recurrent steps: float32 sums in other orders (~1e-5 on AVX-512 machines)
+            torch.testing.assert_close(out[1], full[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.cat(stepped), full, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.states["ssm"][1], layer.states["ssm"][0], atol=1e-5, rtol=1e-5)
 
 

@@ -14,9 +14,11 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias, bool float_accumulate);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
-                                              std::vector<int64_t> offsets, bool round_to_bf16);
+                                              std::vector<int64_t> offsets, bool round_to_bf16,
+                                              c10::optional<torch::Tensor> D, c10::optional<torch::Tensor> gate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -24,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y");
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h");
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place");
+  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers");
   m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)");
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype");

@@ -43,11 +43,13 @@ inline __m512 round_bf16_ps(__m512 v) {  // float32 -> bfloat16 (round to neares
 #endif
 
 // u, dt: [L, D] float32 (dt after bias and softplus); A: [D, N] float32; B, C: [L, N] float32; h0: [D, N] float32
-// or empty (zeros); offsets: token counts (1..L) after which the state is wanted.
+// or empty (zeros); offsets: token counts (1..L) after which the state is wanted. With D [D] and gate [L, D]
+// (float32, the caller's silu(z)) the output is (y + u * D) * gate, the block's D skip and gate fused in.
 // Returns (y [L, D] float32, final state [D, N], states after each offset [num_offsets, D, N]).
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
-                                              std::vector<int64_t> offsets, bool round_to_bf16) {
+                                              std::vector<int64_t> offsets, bool round_to_bf16,
+                                              c10::optional<torch::Tensor> skip, c10::optional<torch::Tensor> gate) {
   for (const auto* t : {&u, &dt, &A, &B, &C})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "selective_scan_fwd: float32 inputs");
   u = u.contiguous();
@@ -61,6 +63,10 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
               "selective_scan_fwd: shapes do not agree");
   for (int64_t off : offsets) TORCH_CHECK(off >= 1 && off <= L, "selective_scan_fwd: offset ", off, " outside 1..", L);
   auto h = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone() : torch::zeros({D, N}, u.options());
+  torch::Tensor Dv, gv;
+  if (skip.has_value() && skip->defined()) Dv = skip->to(at::kFloat).contiguous();
+  if (gate.has_value() && gate->defined()) gv = gate->to(at::kFloat).contiguous();
+  TORCH_CHECK(Dv.defined() == gv.defined(), "selective_scan_fwd: D and gate come together");
   auto y = torch::empty({L, D}, u.options());
   auto snaps = torch::empty({static_cast<int64_t>(offsets.size()), D, N}, u.options());
   std::vector<int64_t> want(L + 1, -1);  // want[t] = index of the snapshot taken after t tokens
@@ -68,6 +74,8 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
   const float *up = u.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
   const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
   float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>(), *sp = snaps.data_ptr<float>();
+  const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
+  const float* gp = gv.defined() ? gv.data_ptr<float>() : nullptr;
   constexpr int64_t kLanes = 16;
   const int64_t num_blocks = (D + kLanes - 1) / kLanes;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -97,6 +105,11 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
             const __m512 hr = round_to_bf16 ? round_bf16_ps(hv[n]) : hv[n];
             acc = _mm512_fmadd_ps(hr, _mm512_set1_ps(ct[n]), acc);
           }
+          if (round_to_bf16) acc = round_bf16_ps(acc);  // y = C . h comes out of a bf16 matmul
+          if (Dp) {
+            acc = _mm512_fmadd_ps(uv, _mm512_maskz_loadu_ps(mask, Dp + d0), acc);
+            acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(mask, gp + t * D + d0));
+          }
           _mm512_mask_storeu_ps(yp + t * D + d0, mask, acc);
           if (want[t + 1] >= 0) {
             float* dst = sp + want[t + 1] * D * N;
@@ -119,7 +132,8 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
             const float hr = round_to_bf16 ? static_cast<float>(static_cast<at::BFloat16>(hd[n])) : hd[n];
             acc += hr * Cp[t * N + n];
           }
-          yp[t * D + d] = acc;
+          if (round_to_bf16) acc = static_cast<float>(static_cast<at::BFloat16>(acc));
+          yp[t * D + d] = Dp ? (acc + uv * Dp[d]) * gp[t * D + d] : acc;
           if (want[t + 1] >= 0) std::copy(hd, hd + N, sp + (want[t + 1] * D + d) * N);
         }
       }

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -102,4 +103,38 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     });
   });
   return out;
+}
+
+// Depthwise causal conv of one sequence's chunk in time-major layout (no transposes): padded: [K-1+L, C] (the
+// K-1 inputs before the chunk, then the chunk); weight: [C, K]; bias: [C] or empty. y[t, c] =
+// sum_k weight[c, k] * padded[t + k, c] + bias[c], summed in float32 and rounded once, as F.conv1d does.
+torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(padded.dim() == 2 && weight.dim() == 2 && padded.size(1) == weight.size(0),
+              "conv1d_prefill: padded [K-1+L, C] and weight [C, K]");
+  padded = padded.contiguous();
+  const int64_t C = weight.size(0), K = weight.size(1), L = padded.size(0) - (K - 1);
+  TORCH_CHECK(L >= 0, "conv1d_prefill: fewer rows than the kernel's history");
+  auto wt = weight.to(at::kFloat).t().contiguous();  // [K, C]: channel-contiguous taps
+  torch::Tensor b = (bias.has_value() && bias->defined()) ? bias->to(at::kFloat).contiguous()
+                                                         : torch::zeros({C}, wt.options());
+  auto y = torch::empty({L, C}, padded.options());
+  const float *wp = wt.data_ptr<float>(), *bp = b.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, padded.scalar_type(), "conv1d_prefill", [&] {
+    const scalar_t* xp = padded.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, L, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(C);
+      for (int64_t t = begin; t < end; ++t) {
+        std::copy(bp, bp + C, acc.begin());
+        for (int64_t k = 0; k < K; ++k) {
+          const scalar_t* row = xp + (t + k) * C;
+          const float* w = wp + k * C;
+          float* a = acc.data();
+          for (int64_t c = 0; c < C; ++c) a[c] += w[c] * static_cast<float>(row[c]);
+        }
+        for (int64_t c = 0; c < C; ++c) yp[t * C + c] = static_cast<scalar_t>(acc[c]);
+      }
+    });
+  });
+  return y;
 }

@@ -36,19 +36,21 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """Depthwise causal conv of one sequence's chunk, resuming from `prev_state`.
 
     x: [L, C]; weight: [C, K]; prev_state: [C, K-1] or None (zeros).
-    Returns y: [L, C] (before activation) and padded input [C, K-1+L] (for states at any offset)."""
+    Returns y: [L, C] (before activation) and the padded input [K-1+L, C], time-major, from which
+    `conv_state_at` reads the state after any number of the chunk's tokens."""
     C, K = weight.shape
-    xt = x.t()  # [C, L]
-    if prev_state is None:
-        prev_state = xt.new_zeros(C, K - 1)
-    padded = torch.cat([prev_state.to(xt.dtype), xt], dim=1)  # [C, K-1+L]
-    y = F.conv1d(padded.unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0)  # [C, L]
+    history = prev_state.t().to(x.dtype) if prev_state is not None else x.new_zeros(K - 1, C)
+    padded = torch.cat([history, x], dim=0)  # [K-1+L, C]
+    kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype:
+        return kernels.conv1d_prefill(padded, weight, bias), padded
+    y = F.conv1d(padded.t().contiguous().unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0)  # [C, L]
     return y.t(), padded
 
 
 def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:
-    """Conv state after `offset` tokens of a chunk, from the padded input of causal_conv1d_prefill."""
-    return padded[:, offset:offset + kernel_size - 1]
+    """Conv state [C, K-1] after `offset` tokens of a chunk, from the padded input of causal_conv1d_prefill."""
+    return padded[offset:offset + kernel_size - 1].t()
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

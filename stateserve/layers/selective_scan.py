@@ -56,13 +56,17 @@ def _inclusive_scan_(decay: torch.Tensor, inputs: torch.Tensor) -> None:
 
 def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                            h0: torch.Tensor | None, snapshot_offsets: Sequence[int] = (),
-                           chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+                           chunk_size: int | None = None, D: torch.Tensor | None = None,
+                           gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Selective scan of one sequence's chunk, resuming from state h0, chunk by chunk.
 
     u: [L, D] model dtype (conv output); dt: [L, D] after bias and softplus (used in float32); A: [D, N] float32;
     B, C: [L, N] model dtype; h0: [D, N] float32 or None (zeros).
-    Returns y = C . h in u's dtype [L, D] (no D skip, no gate), the final state [D, N] float32 and the state
-    after each requested offset (1 <= offset <= L). Only [Q, D, N] temporaries exist at any time."""
+    Returns y = C . h in u's dtype [L, D], the final state [D, N] float32 and the state after each requested
+    offset (1 <= offset <= L). With D [D] and gate [L, D] (silu(z)), y is (C . h + u * D) * gate in float32:
+    the block's skip and gate, fused into the scan on CPU. Only [Q, D, N] temporaries exist at any time."""
+    if (D is None) != (gate is None):
+        raise ValueError("selective_scan_prefill: D and gate come together")
     L, d_inner = u.shape
     d_state = A.shape[1]
     kernels = cpu_kernels.load() if u.device.type == "cpu" else None
@@ -70,8 +74,8 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
         offsets = sorted(set(snapshot_offsets))
         # y's product with C rounds the state to u's dtype first, as the matmul below does
         y32, h, snaps = kernels.selective_scan_fwd(u.float(), dt.float(), A.float(), B.float(), C.float(),
-                                                   h0, offsets, u.dtype == torch.bfloat16)
-        return y32.to(u.dtype), h, {off: snaps[i] for i, off in enumerate(offsets)}
+                                                   h0, offsets, u.dtype == torch.bfloat16, D, gate)
+        return (y32 if D is not None else y32.to(u.dtype)), h, {off: snaps[i] for i, off in enumerate(offsets)}
     q = chunk_size or scan_chunk_size(d_inner, d_state)
     y = u.new_empty(L, d_inner)
     h = h0.float() if h0 is not None else A.new_zeros(d_inner, d_state)
@@ -92,6 +96,8 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
                 snapshots[off] = states[off - start - 1].clone()
         h = states[-1].clone()
         del states
+    if D is not None:
+        return (y + u * D.float()) * gate.float(), h, snapshots
     return y, h, snapshots
 
 
@@ -246,11 +252,11 @@ class MambaMixer(StatefulLayer):
         dt = F.softplus(dt_raw + self.dt_proj.bias.to(dt_raw.dtype))  # [L, D] model dtype, as transformers
         A = -torch.exp(self.A_log.float())
         y, h_last, states_at = selective_scan_prefill(u, dt, A, B, C, ssm_state[slot] if resume else None,
-                                                      [off for off, _ in snaps], self.scan_chunk)
+                                                      [off for off, _ in snaps], self.scan_chunk,
+                                                      D=self.D, gate=F.silu(z))
         for off, dst in snaps:
             conv_state[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
             ssm_state[dst].copy_(states_at[off])
         conv_state[slot].copy_(conv_state_at(padded, L, self.conv_kernel))
         ssm_state[slot].copy_(h_last)
-        y = y + u * self.D.float()
-        return y * F.silu(z)
+        return y  # [L, D] float32: (C . h + u * D) * silu(z)
