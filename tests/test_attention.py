@@ -20,9 +20,10 @@ def dense(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_decode_paths_match_dense(dtype, tol, heads, kv_heads):
+@pytest.mark.parametrize("D", [16, 24, 64])  # 16 and 64: the AVX-512 path; 24: the portable one
+def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D):
     g = torch.Generator().manual_seed(0)
-    bs, nb, D = 4, 32, 16
+    bs, nb = 4, 32
     attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
     kc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
     vc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
