@@ -16,6 +16,8 @@ def _configs(size: str) -> dict:
 
     if size == "small":  # quick runs: a few seconds per measurement on 2 cores
         h, layers, vocab = 256, 4, 8192
+    elif size == "30m":  # ~35M parameters: the serving benchmark's size (issue 7)
+        h, layers, vocab = 384, 6, 32000
     else:  # ~125M parameters, the shapes of issue 8
         h, layers, vocab = 768, 12, 32000
     return {

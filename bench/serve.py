@@ -155,9 +155,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], base_url: str, timeout: float, log_path: str) -> subprocess.Popen:
+def start_server(cmd: list[str], base_url: str, timeout: float, log_path: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -182,8 +183,9 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def bench_server(name: str, cmd: list[str] | None, base_url: str, work, args) -> dict:
-    proc = start_server(cmd, base_url, args.startup_timeout, f"{args.log_dir}/{name}_server.log") if cmd else None
+def bench_server(name: str, cmd: list[str] | None, base_url: str, work, args, env: dict[str, str] | None = None) -> dict:
+    log_path = f"{args.log_dir}/{name}_server.log"
+    proc = start_server(cmd, base_url, args.startup_timeout, log_path, env) if cmd else None
     try:
         results, duration = asyncio.run(run_load(base_url, args.served_model_name, work, args))
     finally:
@@ -256,7 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", args.served_model_name,
                *shlex.split(args.vllm_args)]
-        reports["vllm"] = bench_server("vllm", cmd, f"http://127.0.0.1:{port}", work, args)
+        # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; without it, it asks for 92% of the
+        # NUMA node's memory and refuses to start on a machine where anything else runs
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        try:
+            reports["vllm"] = bench_server("vllm", cmd, f"http://127.0.0.1:{port}", work, args, env)
+        except RuntimeError as e:  # keep stateserve's numbers even when the peer does not start
+            print(f"vLLM server failed: {e}", file=sys.stderr)
     print_table(reports)
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("output",)}, "results": reports}
     if "stateserve" in reports and "vllm" in reports:
