@@ -131,3 +131,39 @@ def test_rms_norm_matches_pytorch(dtype, no_kernels):
     got = norm(x)
     assert got.dtype == dtype
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [None, 8])  # full and partial rotary
+def test_rotary_in_place_matches_pytorch(dtype, rotary_dim, no_kernels):
+    from stateserve.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}, 2048, rotary_dim)
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g).to(dtype)  # q, k as views into a fused projection
+    positions = torch.tensor([0, 7, 3, 1500, 2100])  # 2100: past the first table size, the table grows
+    original = qkv.clone()
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    no_kernels(False)
+    ref_q, ref_k = rope(positions, q.reshape(5, 4, 16).clone(), k.reshape(5, 2, 16).clone())
+    no_kernels(True)
+    got_q, got_k = rope(positions, q.view(5, 4, 16), k.view(5, 2, 16))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    _close(got_q, ref_q, tol)
+    _close(got_k, ref_k, tol)
+    assert torch.equal(qkv[:, :64].view(5, 4, 16), got_q)  # rotated in place
+    assert not torch.equal(qkv[1:, :64], original[1:, :64])  # positions > 0 really rotate
+    assert torch.equal(qkv[:, 96:], original[:, 96:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_pytorch(dtype, no_kernels):
+    from stateserve.layers.norm import silu_and_mul
+
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(7)).to(dtype)
+    no_kernels(False)
+    ref = silu_and_mul(x)
+    no_kernels(True)
+    got = silu_and_mul(x)
+    assert got.shape == (3, 20) and got.dtype == dtype
+    _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)

@@ -14,6 +14,8 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
                              c10::optional<torch::Tensor> bias, bool float_accumulate);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
+torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
@@ -27,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h");
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place");
   m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major");
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers");
   m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)");
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype");

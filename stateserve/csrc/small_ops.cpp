@@ -138,3 +138,62 @@ torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::op
   });
   return y;
 }
+
+// Rotate-half rotary embedding applied in place to q [T, H, D] and k [T, KH, D] (unit stride inside a token's
+// heads; any token stride, so views into the fused qkv output work). table: [max_pos, rotary_dim] float32, cos
+// then sin halves; positions: [T] int64. As the PyTorch path: float32 products, rounded once to x's dtype.
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == k.scalar_type(), "rotary_: q, k [T, heads, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "rotary_: heads must be contiguous within a token");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.size(1) == rotary_dim,
+              "rotary_: float32 table [max_pos, rotary_dim]");
+  auto pos = positions.to(at::kLong).contiguous();
+  const int64_t T = q.size(0), half = rotary_dim / 2;
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* tp = table.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary_", [&] {
+    auto apply = [&](scalar_t* base, int64_t token_stride, int64_t heads, int64_t D) {
+      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const float* cs = tp + pp[t] * rotary_dim;
+          for (int64_t h = 0; h < heads; ++h) {
+            scalar_t* x = base + t * token_stride + h * D;
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
+              const float c = cs[i], s = cs[half + i];
+              x[i] = static_cast<scalar_t>(a * c + (-b) * s);
+              x[i + half] = static_cast<scalar_t>(b * c + a * s);
+            }
+          }
+        }
+      });
+    };
+    apply(q.data_ptr<scalar_t>(), q.stride(0), q.size(1), q.size(2));
+    apply(k.data_ptr<scalar_t>(), k.stride(0), k.size(1), k.size(2));
+  });
+}
+
+// silu(gate) * up for x = [gate | up] of shape [M, 2I], rounded as F.silu(gate) * up in x's dtype.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [M, 2I]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({M, I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const scalar_t* g = xp + m * 2 * I;
+        const scalar_t* u = g + I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          const float act = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
+          op[m * I + i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}

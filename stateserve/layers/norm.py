@@ -29,5 +29,11 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
+    if x.dim() == 2 and x.device.type == "cpu" and x.shape[0] <= FUSED_MAX_ROWS and \
+            x.dtype in (torch.float32, torch.bfloat16):
+        kernels = cpu_kernels.load()
+        if kernels is not None:
+            return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stateserve.layers import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -19,6 +21,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, D] with each token's heads back to back (any token stride): what the fused kernel reads."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,9 +58,22 @@ class RotaryEmbedding(nn.Module):
             inv = torch.where(medium, smoothed, scaled)
         return inv
 
+    def _dynamic_scaling(self, seq_lens_per_token: torch.Tensor | None) -> bool:
+        """Whether this step needs NTK-scaled frequencies (dynamic rope past the trained context)."""
+        return self.rope_type == "dynamic" and seq_lens_per_token is not None and \
+            int(seq_lens_per_token.max()) > self.max_position_embeddings
+
+    def _ensure_table(self, positions: torch.Tensor) -> None:
+        """Grow the cached [max_pos, dim] cos|sin table to cover `positions`."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if self._table is None or self._table.shape[0] < needed or self._table.device != positions.device:
+            size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
+            t = torch.arange(size, dtype=torch.float32, device=positions.device)
+            f = t[:, None] * self.inv_freq.to(positions.device)[None, :]
+            self._table = torch.cat([f.cos(), f.sin()], dim=-1)
+
     def _cos_sin(self, positions: torch.Tensor, seq_lens_per_token: torch.Tensor | None) -> tuple:
-        if self.rope_type == "dynamic" and seq_lens_per_token is not None and \
-                int(seq_lens_per_token.max()) > self.max_position_embeddings:
+        if self._dynamic_scaling(seq_lens_per_token):
             # NTK base grows with the sequence's length once it passes the trained context
             factor, m = self.params["factor"], self.max_position_embeddings
             seq = seq_lens_per_token.clamp(min=m).double()
@@ -62,12 +82,7 @@ class RotaryEmbedding(nn.Module):
             inv = (1.0 / (base[:, None].to(positions.device) ** exps.to(positions.device))).float()
             freqs = positions.float()[:, None] * inv
         else:
-            needed = int(positions.max()) + 1 if positions.numel() else 1
-            if self._table is None or self._table.shape[0] < needed or self._table.device != positions.device:
-                size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
-                t = torch.arange(size, dtype=torch.float32, device=positions.device)
-                f = t[:, None] * self.inv_freq.to(positions.device)[None, :]
-                self._table = torch.cat([f.cos(), f.sin()], dim=-1)
+            self._ensure_table(positions)
             cs = self._table[positions]
             return cs[:, : self.dim // 2], cs[:, self.dim // 2:]
         return freqs.cos(), freqs.sin()
@@ -75,6 +90,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 seq_lens_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, KH, D]
+        kernels = cpu_kernels.load() if q.device.type == "cpu" else None
+        if kernels is not None and not self._dynamic_scaling(seq_lens_per_token) and \
+                q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and self.dim % 2 == 0 and \
+                _heads_contiguous(q) and _heads_contiguous(k):
+            self._ensure_table(positions)
+            kernels.rotary_(q, k, self._table, positions, self.dim)  # in place, one pass over q and k
+            return q, k
         cos, sin = self._cos_sin(positions, seq_lens_per_token)  # [T, dim/2] float32
         cos = torch.cat([cos, cos], dim=-1)[:, None, :]
         sin = torch.cat([sin, sin], dim=-1)[:, None, :]
