@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", args.model, "--port", str(port),
                "--served-model-name", args.served_model_name, "--uvicorn-log-level", "warning",
-               *shlex.split(args.server_args)]
+               "--skip-tokenizer-init", *shlex.split(args.server_args)]
         reports["stateserve"] = bench_server("stateserve", cmd, f"http://127.0.0.1:{port}", work, args)
     if args.vllm_python:
         port = free_port()

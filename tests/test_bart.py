@@ -60,7 +60,9 @@ def assert_logprobs_match(hf, out, enc: list[int] | dict) -> None:
     n = len(out.outputs[0].token_ids)
     ref = logits[-n:].log_softmax(-1).gather(1, torch.tensor(full[-n:])[:, None]).squeeze(1)
     ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)])
-    torch.testing.assert_close(ours, ref.float(), atol=2e-4, rtol=1e-4)
+    # decode rows go through other float32 summation orders than transformers' full forward (CPU kernels);
+    # with decisive weights the logits are large, so 5e-4 absolute; a wrong cache gives O(1) differences
+    torch.testing.assert_close(ours, ref.float(), atol=5e-4, rtol=1e-4)
 
 
 def assert_idle(llm):

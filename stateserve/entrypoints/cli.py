@@ -21,12 +21,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--tokenizer", default=None)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts must be token ids and outputs carry no text (benchmarks)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
             "block_size", "enable_prefix_caching", "mamba_cache_mode", "device", "enforce_eager",
-            "kv_cache_memory_bytes", "tokenizer"]
+            "kv_cache_memory_bytes", "tokenizer", "skip_tokenizer_init"]
     return {k: getattr(args, k) for k in keys}
 
 

@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype and x.shape[0] <= FUSED_MAX_ROWS:
+        if x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype and x.shape[0] <= FUSED_MAX_ROWS \
+                and x.dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels.load()
             if kernels is not None:
                 return kernels.rms_norm(x, self.weight, self.eps)
