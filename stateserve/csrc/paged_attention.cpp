@@ -10,6 +10,20 @@
 #endif
 
 namespace {
+// scores: [group, len] -> exp(score - row max) in place; returns each row's sum (the softmax denominators).
+std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
+  std::vector<float> denom(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+    denom[g] = sum;
+  }
+  return denom;
+}
+
 #if defined(__AVX512F__)
 // 16 consecutive elements as float32 lanes.
 template <typename T>
@@ -52,15 +66,7 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
       scores[g * len + t] = _mm512_reduce_add_ps(dot);
     }
   }
-  std::vector<float> denom(group);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-    denom[g] = sum;
-  }
+  const std::vector<float> denom = exp_scores_(scores.data(), group, len);
   for (int64_t g = 0; g < group; ++g) {
     __m512 av[16];
     for (int64_t i = 0; i < nv; ++i) av[i] = _mm512_setzero_ps();
@@ -116,15 +122,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> denom(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-        denom[g] = sum;
-      }
+      const std::vector<float> denom = exp_scores_(scores.data(), group, len);
       for (int64_t t = 0; t < len; ++t) {
         const scalar_t* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
         for (int64_t g = 0; g < group; ++g) {
