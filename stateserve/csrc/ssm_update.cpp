@@ -7,16 +7,17 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+namespace {
+// float32 and contiguous, converting at most once (float32 contiguous inputs pass through untouched).
+inline torch::Tensor f32(const torch::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+}  // namespace
+
 // Mamba2 / SSD. states: [num_slots, H, P, N] float32; slots: [S] int64; x: [S, H, P], dt: [S, H] (after
 // softplus), B, C: [S, G, N], all float32; A, D: [H] float32 (D may be empty). Returns y: [S, H, P] float32.
 torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
                                 torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D) {
   TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous(), "ssd_state_update_: float32 states");
-  x = x.contiguous().to(at::kFloat);
-  dt = dt.contiguous().to(at::kFloat);
-  A = A.contiguous().to(at::kFloat);
-  B = B.contiguous().to(at::kFloat);
-  C = C.contiguous().to(at::kFloat);
+  x = f32(x), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C);
   auto slot_ids = slots.to(at::kLong).contiguous();
   const int64_t S = x.size(0), H = x.size(1), P = x.size(2), N = states.size(3), G = B.size(1);
   TORCH_CHECK(states.size(1) == H && states.size(2) == P && B.size(2) == N && H % G == 0,
@@ -64,11 +65,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
                                       bool round_to_bf16) {
   TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous(),
               "selective_state_update_: float32 states");
-  u = u.contiguous().to(at::kFloat);
-  dt = dt.contiguous().to(at::kFloat);
-  A = A.contiguous().to(at::kFloat);
-  B = B.contiguous().to(at::kFloat);
-  C = C.contiguous().to(at::kFloat);
+  u = f32(u), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C);
   auto slot_ids = slots.to(at::kLong).contiguous();
   const int64_t S = u.size(0), Dn = u.size(1), N = states.size(2);
   TORCH_CHECK(states.size(1) == Dn && A.size(0) == Dn && A.size(1) == N && B.size(1) == N,
