@@ -9,7 +9,7 @@ from stateserve.layers import cpu_kernels
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.recurrent import causal_conv1d_decode
 from stateserve.layers.selective_scan import selective_scan_prefill, selective_state_update
-from stateserve.layers.ssd import ssd_decode_step
+from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ CPU kernels unavailable")

@@ -194,6 +194,14 @@ def test_resume_and_decode_match_one_pass():
     step = m(torch.stack([x[6], x[9]]), _meta([1, 1], [2, 3], [True, True]))
     torch.testing.assert_close(step, torch.stack([full[6], full[9]]), atol=1e-5, rtol=1e-5)
     assert a.shape == (6, 32) and b.shape == (9, 32)
+    # a mixed step: slot 2 decodes its 8th token (batched update) next to a fresh 5-token prefill in slot 4,
+    # whose checkpoint after 3 tokens lands in slot 5, and slot 3's decode snapshot in slot 6
+    mixed = m(torch.cat([x[7:8], x[:5], x[10:11]]),
+              _meta([1, 5, 1], [2, 4, 3], [True, False, True], checkpoints=[(1, 3, 5), (2, 1, 6)]))
+    torch.testing.assert_close(mixed, torch.cat([full[7:8], full[:5], full[10:11]]), atol=1e-5, rtol=1e-5)
+    resumed = m(x[3:5], _meta([2], [5], [True]))  # resume from the snapshot: tokens 3 and 4 again
+    torch.testing.assert_close(resumed, full[3:5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m(x[11:12], _meta([1], [6], [True])), full[11:12], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rms_norm,before_gate", [(True, True), (True, False), (False, False)])

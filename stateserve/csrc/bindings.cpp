@@ -21,6 +21,9 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
                                               std::vector<int64_t> offsets, bool round_to_bf16,
                                               c10::optional<torch::Tensor> D, c10::optional<torch::Tensor> gate);
+std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                        torch::Tensor C, c10::optional<torch::Tensor> D,
+                                        c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -33,5 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers");
   m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)");
+  m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)");
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype");
 }

@@ -177,44 +177,69 @@ class Mamba2Mixer(StatefulLayer):
         return self.out_proj(y.to(dtype))
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """Each sequence's chunk: conv resuming from its conv state, then the chunked SSD scan. -> [T, H, P]"""
+        """A mixed step. Sequences continuing by one token go through the batched decode update (the arithmetic
+        of a decode-only step, so results do not depend on what else is batched); each other sequence's chunk
+        runs the conv resuming from its conv state, then the SSD scan. -> [T, H, P]"""
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i]]
+        out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
+        if decode:
+            rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=xbc.device)
+            out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, meta, decode))
+        if len(decode) == len(meta.query_lens):
+            return out
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         weight, bias = self._conv_weight(), self.conv1d.bias
         dt = self._step_sizes(dt, clamp=True)
-        out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
+        skip = set(decode)
         for i, start, qlen, slot, has_initial in sequence_chunks(meta):
-            if qlen == 0:
+            if qlen == 0 or i in skip:
                 continue
             end = start + qlen
+            snapshots = checkpoints_of(meta, i)
+            if any(not 0 < off <= qlen for off, _ in snapshots):
+                raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of "
+                                 f"{qlen} tokens")
             conv_out, padded = causal_conv1d_prefill(xbc[start:end], weight, bias,
                                                      conv_states[slot] if has_initial else None)
             x, B, C = self._split_xbc(self.act(conv_out))
-            ssm = ssm_states[slot] if has_initial else None
-            # Requested snapshots split the scan into segments, each resuming from the previous one's state.
-            snapshots = checkpoints_of(meta, i)
-            cuts = sorted({off for off, _ in snapshots if 0 < off < qlen}) + [qlen]
-            state_after: dict[int, torch.Tensor] = {}
-            seg_start = 0
-            for cut in cuts:
-                seg = slice(seg_start, cut)
-                out[start + seg_start:start + cut], ssm = ssd_chunk_scan(
-                    x[seg], dt[start + seg_start:start + cut], A, B[seg], C[seg], self.chunk_size, self.D, ssm)
-                state_after[cut] = ssm
-                seg_start = cut
+            out[start:end], state_after = self._scan(x, dt[start:end], A, B, C,
+                                                     ssm_states[slot] if has_initial else None,
+                                                     sorted({off for off, _ in snapshots} | {qlen}))
             for off, dst in snapshots:
-                if not 0 < off <= qlen:
-                    raise ValueError(f"state checkpoint offset {off} outside the chunk of {qlen} tokens")
                 conv_states[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
                 ssm_states[dst].copy_(state_after[off])
             conv_states[slot].copy_(conv_state_at(padded, qlen, self.conv_kernel))
-            ssm_states[slot].copy_(ssm)
+            ssm_states[slot].copy_(state_after[qlen])
         return out
 
-    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """One token per sequence, all sequences in one batched update. -> [S, H, P]"""
+    def _scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              initial: torch.Tensor | None, offsets: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One sequence's SSD scan from `initial` (zeros if None) -> (y [L, H, P] float32, {offset: state after
+        that many tokens}) for the sorted `offsets`, whose last entry is L."""
+        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        if kernels is not None:  # sequential recurrence: fewer FLOPs than the chunked form on a CPU
+            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), self.D, initial,
+                                                   offsets[:-1])
+            return y, {**{off: snaps[j] for j, off in enumerate(offsets[:-1])}, offsets[-1]: final}
+        # Chunked SSD; requested snapshots split it into segments, each resuming from the previous one's state.
+        y = x.new_empty(x.shape, dtype=torch.float32)
+        state_after: dict[int, torch.Tensor] = {}
+        state, seg_start = initial, 0
+        for cut in offsets:
+            seg = slice(seg_start, cut)
+            y[seg], state = ssd_chunk_scan(x[seg], dt[seg], A, B[seg], C[seg], self.chunk_size, self.D, state)
+            state_after[cut] = state
+            seg_start = cut
+        return y, state_after
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata,
+                seqs: list[int] | None = None) -> torch.Tensor:
+        """One token for each of the sequences `seqs` of the step (all if None), in one batched update.
+        xbc, dt: their rows [S', ...]. -> [S', H, P]"""
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
-        slots = meta.slots
-        fresh = [i for i, has in enumerate(meta.has_initial_state) if not has]
+        seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
+        slots = meta.slots if len(seqs) == len(meta.query_lens) else meta.slots[seqs]
+        fresh = [j for j, i in enumerate(seqs) if not meta.has_initial_state[i]]
         if fresh:  # first token of a one-token prompt: start from zeros, whatever the slot holds
             idx = slots[torch.tensor(fresh, device=slots.device)]
             conv_states.index_fill_(0, idx, 0)
@@ -224,13 +249,17 @@ class Mamba2Mixer(StatefulLayer):
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
         if kernels is not None and ssm_states.dtype == torch.float32:
-            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, self.D)  # in place, [S, H, P]
+            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, self.D)  # in place, [S', H, P]
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
             ssm_states.index_copy_(0, slots, new_state)
+        position = {seq: j for j, seq in enumerate(seqs)}
         for i, off, dst in meta.checkpoints:
+            if i not in position:
+                continue
             if off != 1:
                 raise ValueError(f"state checkpoint offset {off} in a decode step (one token per sequence)")
-            conv_states[dst].copy_(conv_states[slots[i]])
-            ssm_states[dst].copy_(ssm_states[slots[i]])
+            src = slots[position[i]]
+            conv_states[dst].copy_(conv_states[src])
+            ssm_states[dst].copy_(ssm_states[src])
         return y

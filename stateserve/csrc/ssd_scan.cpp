@@ -1,0 +1,140 @@
+// Mamba2 prefill: the SSD recurrence of one sequence's chunk, sequential in time.
+// S_t[h] = exp(dt_t[h] * A[h]) * S_{t-1}[h] + (x_t[h] * dt_t[h]) B_t[g]^T;  y_t[h] = S_t[h] C_t[g] + D[h] x_t[h].
+// The chunked (quadratic) form that GPUs prefer costs ~2x the FLOPs of this recurrence at Q = 64 and many passes
+// over [chunks, H, Q, Q] temporaries; on a CPU the recurrence wins. Each task owns a block of a head's state rows,
+// keeps them in L1 and streams the tokens once, with the same arithmetic as the decode update (ssm_update.cpp),
+// so a prompt and its token-by-token replay agree.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <tuple>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+// kRows rows of one head, N = 16 * kVecs, with the state in registers for the whole chunk. Per token only B_t,
+// C_t and x_t are loaded; the loop-carried dependency is one FMA per state vector.
+template <int kVecs, int kRows>
+void scan_rows_in_registers(float* state, const float* xp, const float* dtp, const float* Bp, const float* Cp,
+                            float* yp, float* snaps, const int64_t* want, int64_t L, int64_t H, int64_t G,
+                            int64_t P, int64_t h, int64_t g, int64_t p0, float a, const float* skip) {
+  constexpr int64_t N = 16 * kVecs;
+  __m512 s[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_loadu_ps(state + r * N + 16 * v);
+  for (int64_t t = 0; t < L; ++t) {
+    const float d = dtp[t * H + h];
+    const __m512 decay = _mm512_set1_ps(std::exp(d * a));
+    const float* b = Bp + (t * G + g) * N;
+    const float* c = Cp + (t * G + g) * N;
+    const float* xt = xp + (t * H + h) * P + p0;
+    __m512 bv[kVecs], cv[kVecs];
+    for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v), cv[v] = _mm512_loadu_ps(c + 16 * v);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 dx = _mm512_set1_ps(xt[r] * d);
+      __m512 acc = _mm512_setzero_ps();
+      for (int v = 0; v < kVecs; ++v) {
+        s[r][v] = _mm512_fmadd_ps(s[r][v], decay, _mm512_mul_ps(dx, bv[v]));
+        acc = _mm512_fmadd_ps(s[r][v], cv[v], acc);
+      }
+      const float out = _mm512_reduce_add_ps(acc);
+      yp[(t * H + h) * P + p0 + r] = skip ? out + *skip * xt[r] : out;
+    }
+    if (want[t + 1] >= 0) {
+      float* dst = snaps + (want[t + 1] * H * P + h * P + p0) * N;
+      for (int r = 0; r < kRows; ++r)
+        for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(dst + r * N + 16 * v, s[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(state + r * N + 16 * v, s[r][v]);
+}
+}  // namespace
+#endif
+
+// x: [L, H, P], dt: [L, H] (after softplus and clamp), B, C: [L, G, N], A, D: [H] (D may be empty), h0: [H, P, N]
+// or empty (zeros); all float32. offsets: token counts (1..L) after which the state is wanted.
+// Returns (y [L, H, P], final state [H, P, N], states after each offset [num_offsets, H, P, N]).
+std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                        torch::Tensor C, c10::optional<torch::Tensor> D,
+                                        c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets) {
+  for (const auto* t : {&x, &dt, &A, &B, &C})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "ssd_scan_fwd: float32 inputs");
+  x = x.contiguous(), dt = dt.contiguous(), A = A.contiguous(), B = B.contiguous(), C = C.contiguous();
+  TORCH_CHECK(x.dim() == 3 && B.dim() == 3, "ssd_scan_fwd: x [L, H, P] and B, C [L, G, N]");
+  const int64_t L = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), N = B.size(2);
+  TORCH_CHECK(dt.size(0) == L && dt.size(1) == H && A.numel() == H && B.size(0) == L && C.sizes() == B.sizes() &&
+                  G >= 1 && H % G == 0,
+              "ssd_scan_fwd: shapes do not agree");
+  for (int64_t off : offsets) TORCH_CHECK(off >= 1 && off <= L, "ssd_scan_fwd: offset ", off, " outside 1..", L);
+  auto state = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone()
+                                                 : torch::zeros({H, P, N}, x.options());
+  TORCH_CHECK(state.numel() == H * P * N, "ssd_scan_fwd: initial state is not [H, P, N]");
+  torch::Tensor Dv;
+  if (D.has_value() && D->defined()) Dv = D->to(at::kFloat).contiguous();
+  auto y = torch::empty({L, H, P}, x.options());
+  auto snaps = torch::empty({static_cast<int64_t>(offsets.size()), H, P, N}, x.options());
+  std::vector<int64_t> want(L + 1, -1);  // want[t] = index of the snapshot taken after t tokens
+  for (size_t i = 0; i < offsets.size(); ++i) want[offsets[i]] = static_cast<int64_t>(i);
+
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
+  const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
+  float *sp = state.data_ptr<float>(), *yp = y.data_ptr<float>(), *snp = snaps.data_ptr<float>();
+  const int64_t heads_per_group = H / G;
+  // A task is kRows rows of one head: 16 x N floats (4 KB at N = 64) stay in L1 while all tokens stream past.
+  constexpr int64_t kRows = 16;
+  const int64_t blocks_per_head = (P + kRows - 1) / kRows;
+  at::parallel_for(0, H * blocks_per_head, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / blocks_per_head, p0 = (task % blocks_per_head) * kRows;
+      const int64_t rows = std::min(kRows, P - p0), g = h / heads_per_group;
+      float* block = sp + (h * P + p0) * N;  // rows p0 .. p0+rows-1 of head h, updated in place
+      const float a = Ap[h];
+      const float skip = Dp ? Dp[h] : 0.f;
+#if defined(__AVX512F__)
+      // 16 state vectors in registers per call, leaving room for B_t, C_t and the accumulators.
+      if ((N == 16 || N == 32 || N == 64 || N == 128) && rows % (256 / N) == 0) {
+        const int64_t step = 256 / N;
+        for (int64_t r0 = 0; r0 < rows; r0 += step) {
+          float* st = block + r0 * N;
+          const auto args = std::make_tuple(st, xp, dtp, Bp, Cp, yp, snp, want.data(), L, H, G, P, h, g, p0 + r0, a,
+                                            Dp ? &skip : nullptr);
+          if (N == 16) std::apply(scan_rows_in_registers<1, 16>, args);
+          else if (N == 32) std::apply(scan_rows_in_registers<2, 8>, args);
+          else if (N == 64) std::apply(scan_rows_in_registers<4, 4>, args);
+          else std::apply(scan_rows_in_registers<8, 2>, args);
+        }
+        continue;
+      }
+#endif
+      for (int64_t t = 0; t < L; ++t) {
+        const float d = dtp[t * H + h];
+        const float decay = std::exp(d * a);
+        const float* b = Bp + (t * G + g) * N;
+        const float* c = Cp + (t * G + g) * N;
+        const float* xt = xp + (t * H + h) * P + p0;
+        float* yt = yp + (t * H + h) * P + p0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float xv = xt[r];
+          const float dx = xv * d;
+          float* row = block + r * N;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = row[n] * decay + dx * b[n];
+            row[n] = v;
+            acc += v * c[n];
+          }
+          yt[r] = Dp ? acc + skip * xv : acc;
+        }
+        if (want[t + 1] >= 0)
+          std::copy(block, block + rows * N, snp + (want[t + 1] * H * P + h * P + p0) * N);
+      }
+    }
+  });
+  return {y, state, snaps};
+}
