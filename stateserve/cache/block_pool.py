@@ -101,8 +101,8 @@ class BlockPool:
 
 
 class SlotPool:
-    """Recurrent-state slots over ids [first, first + num_slots). `zero_slot` runs on every hand-out,
-    so a slot never leaks its previous owner's state."""
+    """Recurrent-state slots over ids [first, first + num_slots). `zero_slot` runs on every hand-out (but to
+    snapshot destinations, which are overwritten whole), so a slot never leaks its previous owner's state."""
 
     def __init__(self, num_slots: int, zero_slot: Callable[[int], None], first: int = 0) -> None:
         if num_slots < 1:
@@ -119,12 +119,14 @@ class SlotPool:
     def can_allocate(self, n: int = 1) -> bool:
         return n <= len(self.free_slots)
 
-    def allocate(self) -> int:
+    def allocate(self, zeroed: bool = True) -> int:
+        """A free slot, zeroed unless the caller overwrites every state tensor of it before anyone reads it."""
         if not self.free_slots:
             raise RuntimeError("SlotPool: no free state slot")
         slot = self.free_slots.popleft()
         self.in_use.add(slot)
-        self._zero_slot(slot)
+        if zeroed:
+            self._zero_slot(slot)
         return slot
 
     def free(self, slot: int) -> None:

@@ -47,7 +47,8 @@ class SnapshotIndex:
                 return None
             _, old = self.index.popitem(last=False)
             self.slots.free(old)
-        slot = self.slots.allocate()
+        # no zeroing: the step writes every state tensor of a reserved slot before it is published
+        slot = self.slots.allocate(zeroed=False)
         self.pending[slot] = key
         return slot
 

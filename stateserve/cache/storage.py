@@ -68,22 +68,31 @@ class CacheStorage:
                                     device=device) for _ in range(2))
             for name, s in kv_specs.items()
         }
-        self.states: dict[str, dict[str, torch.Tensor]] = {
-            name: {key: torch.zeros(plan.num_slots, *shape, dtype=dict(s.dtypes)[key], device=device)
-                   for key, shape in s.shapes}
-            for name, s in state_specs.items()
-        }
+        # Layers whose state tensors have the same shape and dtype (every Mamba2 layer of a model, say) share one
+        # stacked tensor [num_layers, num_slots, *shape]: each layer gets a contiguous view of its own, and
+        # handing out, zeroing or copying a slot is one op per group instead of one per layer and tensor.
+        groups: dict[tuple, list[tuple[str, str]]] = {}
+        for name, s in state_specs.items():
+            dtypes = dict(s.dtypes)
+            for key, shape in s.shapes:
+                groups.setdefault((tuple(shape), dtypes[key]), []).append((name, key))
+        self._state_groups: list[torch.Tensor] = []
+        self.states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in state_specs}
+        for (shape, dtype), members in groups.items():
+            stacked = torch.zeros(len(members), plan.num_slots, *shape, dtype=dtype, device=device)
+            self._state_groups.append(stacked)
+            for i, (name, key) in enumerate(members):
+                self.states[name][key] = stacked[i]
 
     def zero_slot(self, slot: int) -> None:
-        for layer in self.states.values():
-            for t in layer.values():
-                t[slot].zero_()
+        for stacked in self._state_groups:
+            stacked[:, slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        for layer in self.states.values():
-            for t in layer.values():
-                t[dst].copy_(t[src])
+        for stacked in self._state_groups:
+            stacked[:, dst].copy_(stacked[:, src])
 
     def release(self) -> None:
         self.kv.clear()
         self.states.clear()
+        self._state_groups.clear()

@@ -26,16 +26,19 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
                                         c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)");
-  m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y");
-  m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h");
-  m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place");
-  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major");
-  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]");
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers");
-  m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)");
-  m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)");
-  m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype");
+  // Kernels run without the GIL (arguments are converted before, results after): the server's event-loop
+  // thread keeps serving sockets while the engine thread computes.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
+  m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
+  m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h", nogil);
+  m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place", nogil);
+  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", nogil);
+  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers", nogil);
+  m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)", nogil);
+  m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)", nogil);
+  m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype", nogil);
 }
