@@ -149,6 +149,11 @@ def summarize(results: list[Result], duration: float) -> dict:
     }
 
 
+def has_tokenizer(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                                   "tokenizer_config.json"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -229,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-duration", type=float, default=1800.0, help="hard bound on one load run (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and compute dtype for every server: vLLM's own 'auto' silently downcasts float32 "
+                        "folders to bfloat16, so the dtype is always passed explicitly")
     p.add_argument("--server-args", default="", help="extra `stateserve serve` flags, one shell string")
     p.add_argument("--vllm-python", default=None, help="python with vLLM installed: also bench vLLM's server")
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags, one shell string")
@@ -251,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", args.model, "--port", str(port),
                "--served-model-name", args.served_model_name, "--uvicorn-log-level", "warning",
-               "--skip-tokenizer-init", *shlex.split(args.server_args)]
+               "--skip-tokenizer-init", "--dtype", args.dtype, *shlex.split(args.server_args)]
         reports["stateserve"] = bench_server("stateserve", cmd, f"http://127.0.0.1:{port}", work, args)
     if args.vllm_python:
         port = free_port()
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", args.served_model_name,
-               *shlex.split(args.vllm_args)]
+               "--dtype", args.dtype, *shlex.split(args.vllm_args)]
+        if not has_tokenizer(args.model):  # the benchmark sends token ids; vLLM cannot load a missing tokenizer
+            cmd.append("--skip-tokenizer-init")
         # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; without it, it asks for 92% of the
         # NUMA node's memory and refuses to start on a machine where anything else runs
         env = dict(os.environ)

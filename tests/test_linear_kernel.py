@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import FastLinear, install_fast_linear
+from stateserve.layers.linear import MAX_ROWS, FastLinear, _onednn_linear, install_fast_linear
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -76,12 +76,32 @@ def test_fast_linear_module_routes_by_rows_and_grad():
             out = model(x)
         assert calls == [15, 15]
         with torch.no_grad():
-            model(torch.randn(100, 32))  # more rows than max_rows: F.linear
+            model(torch.randn(MAX_ROWS[torch.float32] + 1, 32))  # more rows than max_rows: oneDNN, not the kernel
         assert calls == [15, 15]
         model(x)  # grad enabled: F.linear, so autograd still works
         assert calls == [15, 15]
     ref = F.linear(F.relu(F.linear(x, reference["0.weight"], reference["0.bias"])), reference["2.weight"])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_products_go_through_onednn_and_match_f_linear(dtype):
+    onednn = _onednn_linear()
+    if onednn is None:
+        pytest.skip("no oneDNN in this torch build")
+    torch.manual_seed(0)
+    layer = nn.Linear(384, 1152).to(dtype)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    install_fast_linear(layer, dtype, torch.device("cpu"))
+    assert layer.onednn is onednn
+    x = torch.randn(3, 100, 384).to(dtype)  # 300 rows, past max_rows
+    with torch.no_grad():
+        out = layer(x)
+    assert out.shape == (3, 100, 1152)
+    ref = F.linear(x.float(), weight.float(), bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert not torch.allclose(out.float(), F.linear(x.float(), weight.float().roll(1, 0), bias.float()), atol=tol)
 
 
 def test_install_skips_unsupported_dtypes_and_devices():

@@ -16,7 +16,10 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
 torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                             bool silu_float32);
+torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
+                             double eps, bool norm_before_gate);
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
                                               std::vector<int64_t> offsets, bool round_to_bf16,
@@ -34,7 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place", nogil);
-  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", nogil);
+  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", py::arg("padded"),
+        py::arg("weight"), py::arg("bias"), py::arg("silu_float32") = false, nogil);
+  m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 gated RMSNorm over channel groups, float32", nogil);
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers", nogil);

@@ -5,9 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 // scores: [group, len] -> exp(score - row max) in place; returns each row's sum (the softmax denominators).
@@ -25,64 +23,104 @@ std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
 }
 
 #if defined(__AVX512F__)
-// 16 consecutive elements as float32 lanes.
-template <typename T>
-inline __m512 load16(const T* p) {  // any other dtype (double): element by element
-  alignas(64) float tmp[16];
-  for (int j = 0; j < 16; ++j) tmp[j] = static_cast<float>(p[j]);
-  return _mm512_load_ps(tmp);
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using stateserve_simd::exp_ps;
+using stateserve_simd::load16;
 
-// head_dim a multiple of 16 and at most 256: q and the accumulators live in registers as 16-lane vectors;
-// each K row costs D/16 FMAs and one horizontal sum per query head, each V row D/16 FMAs per query head.
-template <typename scalar_t>
+// One (sequence, kv head) task with head_dim = 16 * nv (NV > 0: known at compile time, so the per-row vectors
+// stay in registers; NV == 0: nv at run time). Tokens are walked block by block with running (block, offset)
+// counters, not a division per token. Scores of 16 keys are reduced together (reduce16_ps), the softmax is
+// vectorised, and the V pass keeps two accumulator sets (even/odd tokens) so the FMA chains overlap.
+template <int NV, typename scalar_t>
 void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                         int64_t len, scalar_t* out, int64_t s, int64_t kh, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, int64_t group, float scale, std::vector<float>& scores,
-                        std::vector<float>& acc) {
-  const int64_t nv = head_dim / 16;
-  scores.resize(group * len);
-  acc.assign(group * head_dim, 0.f);
-  std::vector<float> qf(group * head_dim);
+                        std::vector<float>& qf) {
+  const int64_t nv = NV > 0 ? NV : head_dim / 16;
+  const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
+  const int64_t padded = (len + 15) / 16 * 16;
+  scores.resize(group * padded);
+  qf.resize(group * head_dim);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d)
       qf[g * head_dim + d] = static_cast<float>(q[(s * num_heads + kh * group + g) * head_dim + d]) * scale;
-  for (int64_t t = 0; t < len; ++t) {
-    const scalar_t* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
-    __m512 kv[16];
-    for (int64_t i = 0; i < nv; ++i) kv[i] = load16(k + 16 * i);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf.data() + g * head_dim;
-      __m512 dot = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg));
-      for (int64_t i = 1; i < nv; ++i) dot = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qg + 16 * i), dot);
-      scores[g * len + t] = _mm512_reduce_add_ps(dot);
-    }
-  }
-  const std::vector<float> denom = exp_scores_(scores.data(), group, len);
+  const scalar_t* k_head = k_cache + kh * head_dim;
+  const scalar_t* v_head = v_cache + kh * head_dim;
   for (int64_t g = 0; g < group; ++g) {
-    __m512 av[16];
-    for (int64_t i = 0; i < nv; ++i) av[i] = _mm512_setzero_ps();
-    const float* sg = scores.data() + g * len;
-    for (int64_t t = 0; t < len; ++t) {
-      const scalar_t* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
-      const __m512 p = _mm512_set1_ps(sg[t]);
-      for (int64_t i = 0; i < nv; ++i) av[i] = _mm512_fmadd_ps(p, load16(v + 16 * i), av[i]);
+    __m512 qv[16];
+    for (int64_t i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qf.data() + g * head_dim + 16 * i);
+    float* sg = scores.data() + g * padded;
+    int64_t block = 0, offset = 0;
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0);
+      __m512 dots[16];
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* k = k_head + table[block] * block_stride + offset * row_stride;
+        if (++offset == block_size) offset = 0, ++block;
+        __m512 dot = _mm512_mul_ps(load16(k), qv[0]);
+        for (int64_t i = 1; i < nv; ++i) dot = _mm512_fmadd_ps(load16(k + 16 * i), qv[i], dot);
+        dots[j] = dot;
+      }
+      for (int64_t j = n; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+      _mm512_storeu_ps(sg + t0, stateserve_simd::reduce16_ps(dots));
     }
-    const __m512 inv = _mm512_set1_ps(1.f / denom[g]);
+    // softmax numerators in place; lanes past len are masked out of the max and the sum
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - (padded - 16))) - 1u);
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < padded; t0 += 16)
+      mv = _mm512_mask_max_ps(mv, t0 + 16 < padded ? __mmask16(0xFFFF) : tail, mv, _mm512_loadu_ps(sg + t0));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+      const __mmask16 lanes = t0 + 16 < padded ? __mmask16(0xFFFF) : tail;
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
+      _mm512_storeu_ps(sg + t0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+    __m512 acc0[16], acc1[16];
+    for (int64_t i = 0; i < nv; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    block = offset = 0;
+    int64_t t = 0;
+    for (; t + 1 < len; t += 2) {
+      const scalar_t* v0 = v_head + table[block] * block_stride + offset * row_stride;
+      if (++offset == block_size) offset = 0, ++block;
+      const scalar_t* v1 = v_head + table[block] * block_stride + offset * row_stride;
+      if (++offset == block_size) offset = 0, ++block;
+      const __m512 p0 = _mm512_set1_ps(sg[t]), p1 = _mm512_set1_ps(sg[t + 1]);
+      for (int64_t i = 0; i < nv; ++i) {
+        acc0[i] = _mm512_fmadd_ps(p0, load16(v0 + 16 * i), acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(p1, load16(v1 + 16 * i), acc1[i]);
+      }
+    }
+    if (t < len) {
+      const scalar_t* v0 = v_head + table[block] * block_stride + offset * row_stride;
+      const __m512 p0 = _mm512_set1_ps(sg[t]);
+      for (int64_t i = 0; i < nv; ++i) acc0[i] = _mm512_fmadd_ps(p0, load16(v0 + 16 * i), acc0[i]);
+    }
     scalar_t* o = out + (s * num_heads + kh * group + g) * head_dim;
     for (int64_t i = 0; i < nv; ++i) {
       alignas(64) float tmp[16];
-      _mm512_store_ps(tmp, _mm512_mul_ps(av[i], inv));
+      _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_add_ps(acc0[i], acc1[i]), inv));
       for (int j = 0; j < 16; ++j) o[16 * i + j] = static_cast<scalar_t>(tmp[j]);
     }
+  }
+}
+
+template <typename scalar_t>
+void decode_task_avx512_dispatch(int64_t nv, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                                 const int64_t* table, int64_t len, scalar_t* out, int64_t s, int64_t kh,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 int64_t group, float scale, std::vector<float>& scores, std::vector<float>& qf) {
+  switch (nv) {  // the common head sizes 64 and 128 get register-resident rows
+    case 4:
+      return decode_task_avx512<4>(q, k_cache, v_cache, table, len, out, s, kh, num_heads, num_kv_heads, head_dim,
+                                   block_size, group, scale, scores, qf);
+    case 8:
+      return decode_task_avx512<8>(q, k_cache, v_cache, table, len, out, s, kh, num_heads, num_kv_heads, head_dim,
+                                   block_size, group, scale, scores, qf);
+    default:
+      return decode_task_avx512<0>(q, k_cache, v_cache, table, len, out, s, kh, num_heads, num_kv_heads, head_dim,
+                                   block_size, group, scale, scores, qf);
   }
 }
 #endif
@@ -101,8 +139,8 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
       const int64_t len = seq_lens[s];
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0 && head_dim <= 256) {
-        decode_task_avx512(q, k_cache, v_cache, block_tables + s * max_blocks, len, out, s, kh, num_heads,
-                           num_kv_heads, head_dim, block_size, group, scale, scores, acc);
+        decode_task_avx512_dispatch(head_dim / 16, q, k_cache, v_cache, block_tables + s * max_blocks, len, out, s,
+                                    kh, num_heads, num_kv_heads, head_dim, block_size, group, scale, scores, qf);
         continue;
       }
 #endif

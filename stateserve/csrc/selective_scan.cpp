@@ -8,36 +8,14 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 namespace {
 
-// exp(x) for float32 lanes: x = k ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial for e^r (relative error
-// ~2e-7, two float ulps), then scaled by 2^k with scalef (which underflows to 0 for very negative x).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // ln2 split in hi + lo for accuracy
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
+using stateserve_simd::exp_ps;
 
-inline __m512 round_bf16_ps(__m512 v) {  // float32 -> bfloat16 (round to nearest even) -> float32
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
+using stateserve_simd::round_bf16_ps;
 
 }  // namespace
 #endif

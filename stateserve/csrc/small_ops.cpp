@@ -4,7 +4,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+#include "simd.h"
 
 namespace {
 
@@ -21,6 +24,64 @@ float sum_of_squares(const T* row, int64_t n) {
     sq += v * v;
   }
   return sq;
+}
+
+// The vectorised prefix of one silu_and_mul row (float32 and bfloat16 on AVX-512); returns how many elements it
+// did, the caller finishes the rest.
+template <typename T>
+int64_t silu_and_mul_simd(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    for (; i + 16 <= n; i += 16)
+      store16(o + i, _mm512_mul_ps(round_to_ps<T>(silu_ps(load16(g + i))), load16(u + i)));
+  }
+#endif
+  return i;
+}
+
+// out[i] = silu(v) with v = in[i] rounded to T, the result rounded to T again and kept as float32: F.silu applied to
+// a T tensor. The vectorised prefix; returns how many elements it did.
+template <typename T>
+int64_t silu_rounded_simd(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, round_to_ps<T>(silu_ps(round_to_ps<T>(_mm512_loadu_ps(in + i)))));
+  }
+#endif
+  return i;
+}
+
+// conv1d_update_ for 16 consecutive channels of one sequence: the windows are read into a transposed float32 tile,
+// then products and sums (rounded as the scalar path rounds them) run 16 channels at a time. Returns false when
+// this dtype or window size has no vector path (the caller then runs the scalar loop).
+template <typename T>
+bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, bool has_bias, int64_t ldw,
+                      int64_t W, bool float_accumulate, T* y) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    constexpr int64_t kMaxW = 8;
+    if (W > kMaxW) return false;
+    alignas(64) float win[kMaxW][16];
+    for (int j = 0; j < 16; ++j)
+      for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k <= W; ++k) {
+      const __m512 v = k < W ? _mm512_load_ps(win[k]) : load16(x);
+      const __m512 prod = _mm512_mul_ps(v, _mm512_loadu_ps(wt + k * ldw));
+      acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+    }
+    const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    store16(y, _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b));
+    return true;
+  }
+#endif
+  return false;
 }
 
 }  // namespace
@@ -42,35 +103,44 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->contiguous().to(x.scalar_type());
   auto y = torch::empty_like(x);
+  // float32 taps transposed to [K, C] and the bias, so 16 channels' taps are one vector load
+  auto wt = weight.to(at::kFloat).t().contiguous();
+  auto bf = b.defined() ? b.to(at::kFloat).contiguous() : torch::zeros({C}, wt.options());
+  const float *wtp = wt.data_ptr<float>(), *bfp = bf.data_ptr<float>();
+  const bool has_bias = b.defined();
+  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
     scalar_t* st = conv_state.data_ptr<scalar_t>();
-    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
-    const scalar_t* bp = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* sl = slot_ids.data_ptr<int64_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, S * C, 256, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, S * num_blocks, 8, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / C, c = task % C;
-        scalar_t* row = st + (sl[s] * C + c) * W;
-        const scalar_t* w = wp + c * K;
-        const float xv = static_cast<float>(xp[s * C + c]);
-        float acc = 0.f;
-        for (int64_t k = 0; k < W; ++k) {
-          const float prod = static_cast<float>(row[k]) * static_cast<float>(w[k]);
-          acc += float_accumulate ? prod : round_to<scalar_t>(prod);
+        const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
+        const int64_t n = std::min(kBlock, C - c0);
+        scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
+        const scalar_t* xs = xp + s * C + c0;
+        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, bfp + c0, has_bias, C, W,
+                                                      float_accumulate, yp + s * C + c0)) {
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* row = rows + j * W;
+            float acc = 0.f;
+            for (int64_t k = 0; k <= W; ++k) {
+              const float v = static_cast<float>(k < W ? row[k] : xs[j]);
+              const float prod = v * wtp[k * C + c0 + j];
+              acc += float_accumulate ? prod : round_to<scalar_t>(prod);
+            }
+            const float bias_v = has_bias ? bfp[c0 + j] : 0.f;
+            const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
+            yp[s * C + c0 + j] = static_cast<scalar_t>(out);
+          }
         }
-        const float last = xv * static_cast<float>(w[W]);
-        acc += float_accumulate ? last : round_to<scalar_t>(last);
-        float out;
-        if (float_accumulate) {
-          out = acc + (bp ? static_cast<float>(bp[c]) : 0.f);
-        } else {
-          out = round_to<scalar_t>(acc);
-          if (bp) out = out + static_cast<float>(bp[c]);
+        if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
+          // one move of the whole run, then each window's last element (which got the next window's first) is set
+          std::memmove(rows, rows + 1, (n * W - 1) * sizeof(scalar_t));
+          for (int64_t j = 0; j < n; ++j) rows[j * W + W - 1] = xs[j];
         }
-        yp[s * C + c] = static_cast<scalar_t>(out);
-        for (int64_t k = 0; k + 1 < W; ++k) row[k] = row[k + 1];
-        if (W > 0) row[W - 1] = xp[s * C + c];
       }
     });
   });
@@ -108,7 +178,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // Depthwise causal conv of one sequence's chunk in time-major layout (no transposes): padded: [K-1+L, C] (the
 // K-1 inputs before the chunk, then the chunk); weight: [C, K]; bias: [C] or empty. y[t, c] =
 // sum_k weight[c, k] * padded[t + k, c] + bias[c], summed in float32 and rounded once, as F.conv1d does.
-torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+// silu_float32: also apply silu (rounded to the input dtype, as F.silu on y would) and return float32, the dtype
+// the scan that follows wants, so neither the activation nor the conversion costs a pass of its own.
+torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                             bool silu_float32) {
   TORCH_CHECK(padded.dim() == 2 && weight.dim() == 2 && padded.size(1) == weight.size(0),
               "conv1d_prefill: padded [K-1+L, C] and weight [C, K]");
   padded = padded.contiguous();
@@ -117,11 +190,10 @@ torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::op
   auto wt = weight.to(at::kFloat).t().contiguous();  // [K, C]: channel-contiguous taps
   torch::Tensor b = (bias.has_value() && bias->defined()) ? bias->to(at::kFloat).contiguous()
                                                          : torch::zeros({C}, wt.options());
-  auto y = torch::empty({L, C}, padded.options());
+  auto y = torch::empty({L, C}, silu_float32 ? padded.options().dtype(at::kFloat) : padded.options());
   const float *wp = wt.data_ptr<float>(), *bp = b.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, padded.scalar_type(), "conv1d_prefill", [&] {
     const scalar_t* xp = padded.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, L, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(C);
       for (int64_t t = begin; t < end; ++t) {
@@ -132,7 +204,17 @@ torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::op
           float* a = acc.data();
           for (int64_t c = 0; c < C; ++c) a[c] += w[c] * static_cast<float>(row[c]);
         }
-        for (int64_t c = 0; c < C; ++c) yp[t * C + c] = static_cast<scalar_t>(acc[c]);
+        if (silu_float32) {
+          float* yt = y.data_ptr<float>() + t * C;
+          int64_t c = silu_rounded_simd<scalar_t>(acc.data(), yt, C);
+          for (; c < C; ++c) {
+            const float v = round_to<scalar_t>(acc[c]);
+            yt[c] = round_to<scalar_t>(v / (1.f + std::exp(-v)));
+          }
+        } else {
+          scalar_t* yt = y.data_ptr<scalar_t>() + t * C;
+          for (int64_t c = 0; c < C; ++c) yt[c] = static_cast<scalar_t>(acc[c]);
+        }
       }
     });
   });
@@ -187,10 +269,56 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       for (int64_t m = begin; m < end; ++m) {
         const scalar_t* g = xp + m * 2 * I;
         const scalar_t* u = g + I;
-        for (int64_t i = 0; i < I; ++i) {
+        scalar_t* o = op + m * I;
+        int64_t i = silu_and_mul_simd(g, u, o, I);
+        for (; i < I; ++i) {
           const float gv = static_cast<float>(g[i]);
           const float act = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
-          op[m * I + i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
+          o[i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Mamba2's gated RMSNorm over groups of `group_size` channels, in float32 as transformers computes it (y is the
+// scan's float32 output): norm_before_gate=false: normalize(y * silu(z)) * weight; true: normalize(y) * weight *
+// silu(z). y: [M, I] float32; gate z: [M, I] and weight: [I] in the model dtype. Returns [M, I] float32.
+torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
+                             double eps, bool norm_before_gate) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && gate.sizes() == y.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == y.size(1) && group_size > 0 && y.size(1) % group_size == 0,
+              "gated_rms_norm: y [M, I] float32, gate [M, I], weight [I], I a multiple of group_size");
+  y = y.contiguous();
+  gate = gate.contiguous();
+  auto w = weight.to(at::kFloat).contiguous();
+  auto out = torch::empty_like(y);
+  const int64_t M = y.size(0), I = y.size(1);
+  const float* wp = w.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "gated_rms_norm", [&] {
+    const scalar_t* gp = gate.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> act(I);  // silu(z) of the row, float32
+      for (int64_t m = begin; m < end; ++m) {
+        const float* yr = yp + m * I;
+        const scalar_t* gr = gp + m * I;
+        float* orow = op + m * I;
+        for (int64_t i = 0; i < I; ++i) act[i] = static_cast<float>(gr[i]);
+        int64_t i0 = silu_rounded_simd<float>(act.data(), act.data(), I);
+        for (; i0 < I; ++i0) act[i0] = act[i0] / (1.f + std::exp(-act[i0]));
+        for (int64_t g0 = 0; g0 < I; g0 += group_size) {
+          float sq = 0.f;
+          for (int64_t i = g0; i < g0 + group_size; ++i) {
+            const float h = norm_before_gate ? yr[i] : yr[i] * act[i];
+            orow[i] = h;
+            sq += h * h;
+          }
+          const float r = 1.f / std::sqrt(sq / static_cast<float>(group_size) + static_cast<float>(eps));
+          for (int64_t i = g0; i < g0 + group_size; ++i)
+            orow[i] = norm_before_gate ? wp[i] * (orow[i] * r) * act[i] : wp[i] * (orow[i] * r);
         }
       }
     });

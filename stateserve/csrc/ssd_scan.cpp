@@ -11,8 +11,8 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 namespace {
 // kRows rows of one head, N = 16 * kVecs, with the state in registers for the whole chunk. Per token only B_t,
@@ -33,15 +33,27 @@ void scan_rows_in_registers(float* state, const float* xp, const float* dtp, con
     const float* xt = xp + (t * H + h) * P + p0;
     __m512 bv[kVecs], cv[kVecs];
     for (int v = 0; v < kVecs; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v), cv[v] = _mm512_loadu_ps(c + 16 * v);
+    __m512 acc[kRows];
     for (int r = 0; r < kRows; ++r) {
       const __m512 dx = _mm512_set1_ps(xt[r] * d);
-      __m512 acc = _mm512_setzero_ps();
+      acc[r] = _mm512_setzero_ps();
       for (int v = 0; v < kVecs; ++v) {
         s[r][v] = _mm512_fmadd_ps(s[r][v], decay, _mm512_mul_ps(dx, bv[v]));
-        acc = _mm512_fmadd_ps(s[r][v], cv[v], acc);
+        acc[r] = _mm512_fmadd_ps(s[r][v], cv[v], acc[r]);
       }
-      const float out = _mm512_reduce_add_ps(acc);
-      yp[(t * H + h) * P + p0 + r] = skip ? out + *skip * xt[r] : out;
+    }
+    float* yt = yp + (t * H + h) * P + p0;
+    if constexpr (kRows % 4 == 0) {  // four rows' C . S_t sums in one reduction tree
+      for (int r = 0; r < kRows; r += 4) {
+        __m128 out = stateserve_simd::reduce4_ps(acc[r], acc[r + 1], acc[r + 2], acc[r + 3]);
+        if (skip) out = _mm_fmadd_ps(_mm_set1_ps(*skip), _mm_loadu_ps(xt + r), out);
+        _mm_storeu_ps(yt + r, out);
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        const float out = _mm512_reduce_add_ps(acc[r]);
+        yt[r] = skip ? out + *skip * xt[r] : out;
+      }
     }
     if (want[t + 1] >= 0) {
       float* dst = snaps + (want[t + 1] * H * P + h * P + p0) * N;

@@ -3,6 +3,7 @@
 If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, callers fall back to pure PyTorch."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -31,8 +32,12 @@ def load():
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
                 build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
                 os.makedirs(build_dir, exist_ok=True)
+                # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag
+                with open(os.path.join(csrc, "simd.h"), "rb") as f:
+                    header = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
                 _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
-                                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSTATESERVE_SIMD_H={header}"],
+                                extra_ldflags=["-fopenmp"],
                                 verbose=False)
             except Exception as e:  # any build problem: run the PyTorch path instead
                 _failed = True

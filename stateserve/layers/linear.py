@@ -1,10 +1,10 @@
-"""Decode-shaped linear layers on CPU.
+"""Linear layers on CPU, routed by the number of rows.
 
 A decode step multiplies every weight matrix by a handful of rows (one per running request). PyTorch's CPU
 kernels do that at well under the machine's memory bandwidth, so after loading, the runner turns each
 `nn.Linear` of a CPU model into a `FastLinear` (same parameters, same state dict): products with at most
-`max_rows` rows go through the C++ kernel in csrc/linear.cpp, everything else (prefill chunks, autograd)
-through `F.linear`. Model code keeps using plain `nn.Linear`.
+`max_rows` rows go through the C++ kernel in csrc/linear.cpp, larger ones (prefill chunks, wide batches) through
+oneDNN, and autograd through `F.linear`. Model code keeps using plain `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -18,33 +18,57 @@ from stateserve.layers import cpu_kernels
 
 logger = logging.getLogger("stateserve")
 
-# Up to how many rows the kernel beats F.linear, by dtype (bench/linear_kernel.py measures the crossover:
-# float32 stays ahead through ~32 rows, bfloat16 through ~16; beyond, the products are compute-bound and
-# oneDNN/MKL tile them better).
-MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16}
+# Up to how many rows the kernel beats oneDNN, by dtype (measured on the benchmark machine, Zen 5 with AVX-512, at
+# the 30m and base shapes): both dtypes through ~16 rows; beyond, oneDNN's blocked GEMM is ahead.
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
+
+
+def _onednn_linear():
+    """oneDNN's linear on dense weights, or None. Why not F.linear: PyTorch's float32 CPU matmul goes to MKL's
+    sgemm, which on AMD processors runs ~2x below oneDNN (150-190 vs 400+ GFLOP/s on 2 Zen 5 cores, at 64-2048
+    rows); for bfloat16 both reach oneDNN. The op is the one inductor's CPU backend emits for frozen linears."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return None
+    try:  # the op exists in every build we pin, but check it runs before relying on it
+        x, w = torch.ones(2, 4), torch.ones(3, 4)
+        if not torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
+            return None
+    except (RuntimeError, TypeError):
+        return None
+    return op
 
 
 class FastLinear(nn.Linear):
-    """nn.Linear with a few-row fast path; installed over nn.Linear instances by `install_fast_linear`."""
+    """nn.Linear with CPU fast paths; installed over nn.Linear instances by `install_fast_linear`. Without grad:
+    at most `max_rows` rows go through the C++ kernel, more through oneDNN (`onednn`), else F.linear."""
 
     max_rows: int = 0
+    onednn = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0
-        if 0 < rows <= self.max_rows and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
-            out = cpu_kernels.load().fast_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        if rows and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+            flat = x.reshape(rows, x.shape[-1])
+            if rows <= self.max_rows:
+                out = cpu_kernels.load().fast_linear(flat, self.weight, self.bias)
+            elif self.onednn is not None:
+                out = self.onednn(flat.contiguous(), self.weight, self.bias, "none", [], "")
+            else:
+                return F.linear(x, self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
 def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Turn the model's CPU nn.Linear layers into FastLinear where the kernel supports the dtype.
-    Returns how many layers were converted (0 when the kernels are off or unavailable)."""
-    max_rows = MAX_ROWS.get(dtype, 0)
-    if device.type != "cpu" or not max_rows:
+    """Turn the model's CPU nn.Linear layers of a float32 or bfloat16 model into FastLinear. Returns how many layers
+    were converted (0 when neither the kernel nor oneDNN is available)."""
+    if device.type != "cpu" or dtype not in MAX_ROWS:
         return 0
     kernels = cpu_kernels.load()
-    if kernels is None or not kernels.fast_linear_supported(dtype):
+    max_rows = MAX_ROWS[dtype] if kernels is not None and kernels.fast_linear_supported(dtype) else 0
+    onednn = _onednn_linear()
+    if not max_rows and onednn is None:
         return 0
     count = 0
     for module in model.modules():
@@ -52,6 +76,8 @@ def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.devi
         if type(module) is nn.Linear and module.weight.dtype == dtype and module.weight.is_contiguous():
             module.__class__ = FastLinear
             module.max_rows = max_rows
+            module.onednn = onednn
             count += 1
-    logger.debug("fast CPU linear kernel on %d layers (<= %d rows)", count, max_rows)
+    logger.debug("fast CPU linear on %d layers (kernel <= %d rows, oneDNN %s)", count, max_rows,
+                 "beyond" if onednn is not None else "off")
     return count

@@ -56,6 +56,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # y, gate: [T, hidden_size]
+        if y.device.type == "cpu" and y.dim() == 2 and y.dtype == torch.float32 and \
+                gate.dtype in (torch.float32, torch.bfloat16):
+            kernels = cpu_kernels.load()
+            if kernels is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
+                return kernels.gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, self.norm_before_gate)
         dtype = y.dtype
         h = y.float()
         if not self.norm_before_gate:
@@ -199,9 +204,10 @@ class Mamba2Mixer(StatefulLayer):
             if any(not 0 < off <= qlen for off, _ in snapshots):
                 raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of "
                                  f"{qlen} tokens")
+            fuse_silu = self.act is F.silu  # conv + silu + float32 for the scan in one pass
             conv_out, padded = causal_conv1d_prefill(xbc[start:end], weight, bias,
-                                                     conv_states[slot] if has_initial else None)
-            x, B, C = self._split_xbc(self.act(conv_out))
+                                                     conv_states[slot] if has_initial else None, fuse_silu)
+            x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
             out[start:end], state_after = self._scan(x, dt[start:end], A, B, C,
                                                      ssm_states[slot] if has_initial else None,
                                                      sorted({off for off, _ in snapshots} | {qlen}))

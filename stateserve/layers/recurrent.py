@@ -32,20 +32,21 @@ class StatefulLayer(nn.Module):
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          prev_state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                          prev_state: torch.Tensor | None, silu_float32: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of one sequence's chunk, resuming from `prev_state`.
 
     x: [L, C]; weight: [C, K]; prev_state: [C, K-1] or None (zeros).
-    Returns y: [L, C] (before activation) and the padded input [K-1+L, C], time-major, from which
-    `conv_state_at` reads the state after any number of the chunk's tokens."""
+    Returns y: [L, C] (before activation; with silu_float32, `F.silu(y).float()` in one pass) and the padded input
+    [K-1+L, C], time-major, from which `conv_state_at` reads the state after any number of the chunk's tokens."""
     C, K = weight.shape
     history = prev_state.t().to(x.dtype) if prev_state is not None else x.new_zeros(K - 1, C)
     padded = torch.cat([history, x], dim=0)  # [K-1+L, C]
     kernels = cpu_kernels.load() if x.device.type == "cpu" else None
     if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype:
-        return kernels.conv1d_prefill(padded, weight, bias), padded
-    y = F.conv1d(padded.t().contiguous().unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0)  # [C, L]
-    return y.t(), padded
+        return kernels.conv1d_prefill(padded, weight, bias, silu_float32), padded
+    y = F.conv1d(padded.t().contiguous().unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0).t()  # [L, C]
+    return (F.silu(y).float() if silu_float32 else y), padded
 
 
 def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:

@@ -1,0 +1,98 @@
+// AVX-512 helpers shared by the kernels: lane conversions and a vector exp. Only for files compiled with
+// __AVX512F__ defined; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
+#pragma once
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <torch/extension.h>
+
+namespace stateserve_simd {
+
+// exp(x) for float32 lanes: x = k ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial for e^r (relative error
+// ~2e-7, two float ulps), then scaled by 2^k with scalef (which underflows to 0 for very negative x).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // ln2 split in hi + lo for accuracy
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+
+// 16 consecutive elements as float32 lanes.
+template <typename T>
+inline __m512 load16(const T* p) {  // any other dtype (double): element by element
+  alignas(64) float tmp[16];
+  for (int j = 0; j < 16; ++j) tmp[j] = static_cast<float>(p[j]);
+  return _mm512_load_ps(tmp);
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// float32 -> bfloat16 (round to nearest even) -> float32, lane by lane.
+inline __m512 round_bf16_ps(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// Rounds float32 lanes to T as static_cast<T> would (float32: unchanged).
+template <typename T>
+inline __m512 round_to_ps(__m512 v) { return v; }
+template <>
+inline __m512 round_to_ps<at::BFloat16>(__m512 v) { return round_bf16_ps(v); }
+
+// Stores 16 float32 lanes as T (bfloat16: rounded to nearest even).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
+
+// The 16 horizontal sums of v[0..15] as the lanes of one vector (lane i = sum of v[i]): a transpose-and-add tree
+// of 45 shuffles/adds instead of 16 separate reductions (~8 dependent ops each).
+inline __m512 reduce16_ps(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: one partial sum of each of v[4k..4k+3]
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // add the four 128-bit lanes of each y[k]: lane group k of the result holds the sums of v[4k..4k+3]
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+// The horizontal sums of a, b, c, d as the four lanes of one 128-bit vector (the first two levels of reduce16_ps,
+// then the four 128-bit lanes added).
+inline __m128 reduce4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// silu(v) = v / (1 + exp(-v)) for float32 lanes.
+inline __m512 silu_ps(__m512 v) {
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+}
+
+}  // namespace stateserve_simd
+#endif
