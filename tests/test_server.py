@@ -345,7 +345,7 @@ def _metric(url, name):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_overload_and_graceful_shutdown(model_dir, sig):
     proc, url, lines = _start_subprocess(model_dir[1], "--max-num-seqs", "2", "--max-waiting-requests", "1",
-                                         "--shutdown-timeout", "0.5")
+                                         "--shutdown-timeout", "0.05")
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     results: dict[int, object] = {}
 
@@ -376,7 +376,7 @@ def test_overload_and_graceful_shutdown(model_dir, sig):
         assert all(isinstance(r, list) and len(r) == 1 and r[0] in ("length", "abort") for r in results.values()), \
             results
         assert len(results) == 3
-        # the waiting stream cannot finish 480 tokens after the other two within 0.5 s: it was aborted
+        # the waiting stream cannot finish 480 tokens after the other two within 0.05 s: it was aborted
         assert any(r == ["abort"] for r in results.values()), results
         assert any("shutdown complete: caches free" in line for line in lines), "".join(lines)
     finally:
