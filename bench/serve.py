@@ -47,8 +47,8 @@ def draw_lengths(rng: random.Random, mean: int, spread: float) -> int:
     return max(1, round(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
+def make_workload(args: argparse.Namespace, vocab_size: int, seed: int | None = None) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed if seed is None else seed)
     lo, hi = min(10, vocab_size - 1), max(11, vocab_size - 10)  # keep clear of special ids at either end
     work = []
     for _ in range(args.num_prompts):
@@ -99,7 +99,7 @@ async def run_load(base_url: str, model: str, work: list[tuple[list[int], int]],
     limits = httpx.Limits(max_connections=max(64, args.concurrency or 0), max_keepalive_connections=64)
     rng = random.Random(args.seed + 1)
     async with httpx.AsyncClient(limits=limits) as client:
-        for prompt, _ in work[:2]:  # warm-up, not measured
+        for prompt, _ in args.warmup_work:  # not measured; prompts of their own, so no prefix-cache hits later
             await one_request(client, url, model, prompt, 4, args.request_timeout)
         sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
@@ -188,15 +188,33 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def bench_server(name: str, cmd: list[str] | None, base_url: str, work, args, env: dict[str, str] | None = None) -> dict:
+def bench_server(name: str, cmd: list[str] | None, base_url: str, works, args,
+                 env: dict[str, str] | None = None) -> dict:
+    """Runs each workload of `works` in turn against one server; returns the medians of every metric, with each
+    run's own summary under "runs"."""
     log_path = f"{args.log_dir}/{name}_server.log"
     proc = start_server(cmd, base_url, args.startup_timeout, log_path, env) if cmd else None
+    runs = []
     try:
-        results, duration = asyncio.run(run_load(base_url, args.served_model_name, work, args))
+        for work in works:
+            results, duration = asyncio.run(run_load(base_url, args.served_model_name, work, args))
+            runs.append(summarize(results, duration))
     finally:
         if proc is not None:
             stop_server(proc)
-    return summarize(results, duration)
+    if len(runs) == 1:
+        return runs[0]
+    merged: dict = {}
+    for k in runs[0]:
+        values = [r[k] for r in runs]
+        if k in ("completed", "failed"):
+            merged[k] = sum(values)
+        elif all(isinstance(v, (int, float)) for v in values):
+            merged[k] = round(statistics.median(values), 3)
+        else:
+            merged[k] = next((v for v in values if v is not None), None)
+    merged["runs"] = runs
+    return merged
 
 
 ROWS = [("completed", "requests completed"), ("failed", "requests failed"), ("duration_s", "duration (s)"),
@@ -231,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--length-spread", type=float, default=0.25, help="lengths drawn uniformly in mean*(1±s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per server (each with prompts of its own seed); the report holds the medians")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-duration", type=float, default=1800.0, help="hard bound on one load run (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -250,17 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.model, "config.json")) as f:
         cfg = json.load(f)
     vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size"))
-    work = make_workload(args, vocab)
+    if not 1 <= args.repeats <= 20:
+        p.error("--repeats must be in [1, 20]")
+    # Repeats draw new prompts, so no run is served from the prefix cache of an earlier one.
+    works = [make_workload(args, vocab, args.seed + 1000 * r) for r in range(args.repeats)]
+    warmup = random.Random(args.seed - 1)
+    args.warmup_work = [([warmup.randrange(10, max(11, vocab - 10)) for _ in range(16)], 4) for _ in range(2)]
 
     reports: dict[str, dict] = {}
     if args.base_url:
-        reports["server"] = bench_server("server", None, args.base_url, work, args)
+        reports["server"] = bench_server("server", None, args.base_url, works, args)
     else:
         port = free_port()
         cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", args.model, "--port", str(port),
                "--served-model-name", args.served_model_name, "--uvicorn-log-level", "warning",
                "--skip-tokenizer-init", "--dtype", args.dtype, *shlex.split(args.server_args)]
-        reports["stateserve"] = bench_server("stateserve", cmd, f"http://127.0.0.1:{port}", work, args)
+        reports["stateserve"] = bench_server("stateserve", cmd, f"http://127.0.0.1:{port}", works, args)
     if args.vllm_python:
         port = free_port()
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
@@ -274,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         try:
-            reports["vllm"] = bench_server("vllm", cmd, f"http://127.0.0.1:{port}", work, args, env)
+            reports["vllm"] = bench_server("vllm", cmd, f"http://127.0.0.1:{port}", works, args, env)
         except RuntimeError as e:  # keep stateserve's numbers even when the peer does not start
             print(f"vLLM server failed: {e}", file=sys.stderr)
     print_table(reports)
-    report = {"config": {k: v for k, v in vars(args).items() if k not in ("output",)}, "results": reports}
+    report = {"config": {k: v for k, v in vars(args).items() if k not in ("output", "warmup_work")},
+              "results": reports}
     if "stateserve" in reports and "vllm" in reports:
         report["ratios"] = {k: (reports["stateserve"][k] / reports["vllm"][k]
                                 if reports["stateserve"][k] is not None and reports["vllm"][k] else None)
