@@ -20,7 +20,8 @@ def dense(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("D", [16, 24, 64])  # 16 and 64: the AVX-512 path; 24: the portable one
+@pytest.mark.parametrize("D", [16, 24, 64, 128])  # 64, 128: AVX-512 with rows in registers; 16: AVX-512 with a
+# run-time width; 24: the portable path
 def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D):
     g = torch.Generator().manual_seed(0)
     bs, nb = 4, 32
@@ -28,7 +29,7 @@ def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D):
     kc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
     vc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
     attn.bind_cache(kc, vc)
-    lens = torch.tensor([1, 5, 13, 4])
+    lens = torch.tensor([1, 5, 19, 4])  # 19: more than one group of 16 keys, across five blocks
     perm = torch.randperm(nb, generator=g)
     tables = torch.stack([perm[i * 5:(i + 1) * 5] for i in range(4)])
     q = torch.randn(4, heads, D, generator=g).to(dtype)

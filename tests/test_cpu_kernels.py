@@ -167,3 +167,47 @@ def test_silu_and_mul_matches_pytorch(dtype, no_kernels):
     got = silu_and_mul(x)
     assert got.shape == (3, 20) and got.dtype == dtype
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_rms_norm_matches_pytorch(gate_dtype, norm_before_gate, no_kernels):
+    from stateserve.layers.mamba2_mixer import GatedRMSNorm
+
+    g = torch.Generator().manual_seed(8)
+    norm = GatedRMSNorm(96, 48, eps=1e-5, norm_before_gate=norm_before_gate).to(gate_dtype)  # two groups
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    y = torch.randn(7, 96, generator=g)  # the scan's float32 output
+    gate = torch.randn(7, 96, generator=g).to(gate_dtype)
+    no_kernels(False)
+    ref = norm(y, gate)
+    no_kernels(True)
+    got = norm(y, gate)
+    assert got.dtype == ref.dtype == torch.float32
+    _close(got, ref, 1e-5)
+    # per-group statistics: normalising over the whole row instead must show
+    whole = GatedRMSNorm(96, 96, eps=1e-5, norm_before_gate=norm_before_gate).to(gate_dtype)
+    with torch.no_grad():
+        whole.weight.copy_(norm.weight)
+    assert not torch.allclose(whole(y, gate), got, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_with_fused_silu_matches_pytorch(dtype, no_kernels):
+    from stateserve.layers.recurrent import causal_conv1d_prefill
+
+    g = torch.Generator().manual_seed(9)
+    L, Cn, K = 9, 40, 4  # 40 channels: two full vectors and a remainder
+    x, w, b = (torch.randn(L, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
+               torch.randn(Cn, generator=g).to(dtype))
+    state = torch.randn(Cn, K - 1, generator=g).to(dtype)
+    no_kernels(False)
+    ref, ref_padded = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
+    plain, _ = causal_conv1d_prefill(x, w, b, state)
+    no_kernels(True)
+    got, padded = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
+    assert got.dtype == ref.dtype == torch.float32
+    _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(padded, ref_padded)
+    assert not torch.allclose(got, plain.float(), atol=1e-2)  # the activation really is applied
