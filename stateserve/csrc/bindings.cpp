@@ -12,12 +12,13 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
                                       bool round_to_bf16);
 
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate);
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                              bool silu_float32);
+torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi);
 torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
                              double eps, bool norm_before_gate);
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
@@ -36,9 +37,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h", nogil);
-  m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place", nogil);
+  m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
+        py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);
   m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", py::arg("padded"),
         py::arg("weight"), py::arg("bias"), py::arg("silu_float32") = false, nogil);
+  m.def("dt_softplus", &dt_softplus, "Mamba2 step sizes: clamp(softplus(dt + bias)) as float32", nogil);
   m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 gated RMSNorm over channel groups, float32", nogil);
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]", nogil);

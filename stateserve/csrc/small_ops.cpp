@@ -61,7 +61,7 @@ int64_t silu_rounded_simd(const float* in, float* out, int64_t n) {
 // this dtype or window size has no vector path (the caller then runs the scalar loop).
 template <typename T>
 bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, bool has_bias, int64_t ldw,
-                      int64_t W, bool float_accumulate, T* y) {
+                      int64_t W, bool float_accumulate, T* y, float* y_silu) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
@@ -77,7 +77,11 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
       acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
     }
     const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    store16(y, _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b));
+    const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
+    if (y_silu != nullptr)
+      _mm512_storeu_ps(y_silu, round_to_ps<T>(silu_ps(round_to_ps<T>(out))));
+    else
+      store16(y, out);
     return true;
   }
 #endif
@@ -90,8 +94,9 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
 // conv_state: [num_slots, C, K-1]; x: [S, C]; weight: [C, K]; bias: [C] or empty; all one dtype.
 // float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
 // expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
+// silu_float32: return silu(y) (rounded to x's dtype, as F.silu on y would) as float32, for the state update.
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate) {
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type() &&
                   weight.scalar_type() == x.scalar_type(),
               "conv1d_update_: conv_state, x and weight must share a dtype (conv_state contiguous)");
@@ -102,7 +107,7 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
   TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && weight.size(0) == C, "conv1d_update_: shapes do not agree");
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->contiguous().to(x.scalar_type());
-  auto y = torch::empty_like(x);
+  auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
   // float32 taps transposed to [K, C] and the bias, so 16 channels' taps are one vector load
   auto wt = weight.to(at::kFloat).t().contiguous();
   auto bf = b.defined() ? b.to(at::kFloat).contiguous() : torch::zeros({C}, wt.options());
@@ -114,15 +119,16 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
     scalar_t* st = conv_state.data_ptr<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t* sl = slot_ids.data_ptr<int64_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* yp = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
+    float* yfp = silu_float32 ? y.data_ptr<float>() : nullptr;
     at::parallel_for(0, S * num_blocks, 8, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
         const int64_t n = std::min(kBlock, C - c0);
         scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
         const scalar_t* xs = xp + s * C + c0;
-        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, bfp + c0, has_bias, C, W,
-                                                      float_accumulate, yp + s * C + c0)) {
+        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, bfp + c0, has_bias, C, W, float_accumulate,
+                                                      yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* row = rows + j * W;
             float acc = 0.f;
@@ -133,7 +139,12 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
             }
             const float bias_v = has_bias ? bfp[c0 + j] : 0.f;
             const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
-            yp[s * C + c0 + j] = static_cast<scalar_t>(out);
+            if (yfp != nullptr) {
+              const float v = round_to<scalar_t>(out);
+              yfp[s * C + c0 + j] = round_to<scalar_t>(v / (1.f + std::exp(-v)));
+            } else {
+              yp[s * C + c0 + j] = static_cast<scalar_t>(out);
+            }
           }
         }
         if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
@@ -322,6 +333,29 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
         }
       }
     });
+  });
+  return out;
+}
+
+// Mamba2 step sizes: clamp(softplus(dt + dt_bias), lo, hi) returned as float32, with the rounding of that PyTorch
+// expression in dt's dtype (the bias cast to it, the sum, softplus and the clamp bounds each rounded). dt: [S, H]
+// (any row stride), dt_bias: [H].
+torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi) {
+  TORCH_CHECK(dt.dim() == 2 && dt_bias.dim() == 1 && dt_bias.size(0) == dt.size(1), "dt_softplus: dt [S, H], bias [H]");
+  dt = dt.contiguous();
+  auto bias = dt_bias.to(dt.scalar_type()).to(at::kFloat).contiguous();
+  const int64_t S = dt.size(0), H = dt.size(1);
+  auto out = torch::empty({S, H}, dt.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt.scalar_type(), "dt_softplus", [&] {
+    const scalar_t* dp = dt.data_ptr<scalar_t>();
+    const float* bp = bias.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float lo_t = round_to<scalar_t>(static_cast<float>(lo)), hi_t = round_to<scalar_t>(static_cast<float>(hi));
+    for (int64_t i = 0; i < S * H; ++i) {
+      const float v = round_to<scalar_t>(static_cast<float>(dp[i]) + bp[i % H]);
+      const float sp = round_to<scalar_t>(v > 20.f ? v : std::log1p(std::exp(v)));  // F.softplus, threshold 20
+      op[i] = std::min(std::max(sp, lo_t), hi_t);
+    }
   });
   return out;
 }

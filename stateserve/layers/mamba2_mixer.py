@@ -125,6 +125,8 @@ class Mamba2Mixer(StatefulLayer):
             if len(zxbcdt_multipliers) != 5:
                 raise ValueError(f"zxbcdt_multipliers needs 5 values (z, x, B, C, dt), got {zxbcdt_multipliers!r}")
             scale = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, zxbcdt_multipliers)])
+        self._A: torch.Tensor | None = None  # -exp(A_log) cache, see _neg_exp_A
+        self._A_version: tuple[int, int] | None = None
         self.in_proj_scale: torch.Tensor | None
         self.register_buffer("in_proj_scale", scale, persistent=False)  # not a checkpoint tensor
 
@@ -145,8 +147,19 @@ class Mamba2Mixer(StatefulLayer):
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight.squeeze(1)  # [conv_dim, K]
 
+    def _neg_exp_A(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32 [H], computed once per weight version (it is on every step's path)."""
+        version = (self.A_log._version, self.A_log.data_ptr())
+        if self._A is None or self._A_version != version:
+            self._A, self._A_version = -torch.exp(self.A_log.detach().float()), version
+        return self._A
+
     def _step_sizes(self, dt: torch.Tensor, clamp: bool) -> torch.Tensor:
         """dt: [T, H] raw projection -> softplus(dt + dt_bias), clamped; in the model dtype like transformers."""
+        kernels = cpu_kernels.load() if dt.device.type == "cpu" and dt.dim() == 2 else None
+        if kernels is not None and dt.dtype in (torch.float32, torch.bfloat16):  # the 4 ops below in one pass
+            lo, hi = self.time_step_limit if clamp else (float("-inf"), float("inf"))
+            return kernels.dt_softplus(dt, self.dt_bias, lo, hi)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         if clamp:
             dt = torch.clamp(dt, min=self.time_step_limit[0], max=self.time_step_limit[1])
@@ -169,7 +182,7 @@ class Mamba2Mixer(StatefulLayer):
         if self.in_proj_scale is not None:
             proj = proj * self.in_proj_scale
         gate, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        A = -torch.exp(self.A_log.float())  # [H]
+        A = self._neg_exp_A()  # [H]
         if meta.is_decode_only:
             y = self._decode(xbc, dt, A, meta)
         else:
@@ -250,8 +263,10 @@ class Mamba2Mixer(StatefulLayer):
             idx = slots[torch.tensor(fresh, device=slots.device)]
             conv_states.index_fill_(0, idx, 0)
             ssm_states.index_fill_(0, idx, 0)
-        conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots)
-        x, B, C = self._split_xbc(self.act(conv_out))
+        fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
+        conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots,
+                                        silu_float32=fuse_silu)
+        x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
         if kernels is not None and ssm_states.dtype == torch.float32:

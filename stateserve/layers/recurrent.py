@@ -55,14 +55,18 @@ def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         conv_state: torch.Tensor, slots: torch.Tensor, float_accumulate: bool = False) -> torch.Tensor:
+                         conv_state: torch.Tensor, slots: torch.Tensor, float_accumulate: bool = False,
+                         silu_float32: bool = False) -> torch.Tensor:
     """One new token per sequence. x: [S, C]; conv_state: [num_slots, C, K-1] updated in place at `slots`.
 
     float_accumulate=False rounds like `(window * weight).sum(-1) + bias` in x's dtype (transformers' Mamba2
-    decode); True sums products and bias in float32 and rounds once, like F.conv1d (its Mamba1 decode)."""
+    decode); True sums products and bias in float32 and rounds once, like F.conv1d (its Mamba1 decode).
+    silu_float32: returns `F.silu(y).float()` instead of y, fused into the kernel's pass."""
     kernels = cpu_kernels.load() if x.device.type == "cpu" else None
     if kernels is not None and x.dtype == conv_state.dtype == weight.dtype and conv_state.is_contiguous():
-        return kernels.conv1d_update_(conv_state, slots, x, weight, bias, float_accumulate)
+        return kernels.conv1d_update_(conv_state, slots, x, weight, bias, float_accumulate, silu_float32)
+    if silu_float32:
+        return F.silu(causal_conv1d_decode(x, weight, bias, conv_state, slots, float_accumulate)).float()
     if float_accumulate:
         out_dtype = x.dtype
         bias = bias.float() if bias is not None else None
