@@ -62,3 +62,38 @@ def test_prefill_causal_matches_sdpa():
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          is_causal=True).transpose(0, 1)
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads):
+    """A later chunk of a prompt (context already in the paged cache): the CPU path merges flash attention over
+    the context and over the chunk by log-sum-exp; it must equal one causal attention over the whole prompt."""
+    from stateserve.layers.metadata import AttnMetadata
+
+    g = torch.Generator().manual_seed(3)
+    D, bs, ctx, qlen = 16, 4, 9, 6  # the context ends inside a block
+    total = ctx + qlen
+    attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
+    kc, vc = torch.zeros(8, bs, kv_heads, D, dtype=dtype), torch.zeros(8, bs, kv_heads, D, dtype=dtype)
+    attn.bind_cache(kc, vc)
+    q = torch.randn(total, heads, D, generator=g).to(dtype)
+    k, v = (torch.randn(total, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.tensor([[5, 2, 7, 0]])  # scattered blocks
+    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(total)])
+    kc.view(-1, kv_heads, D)[slots[:ctx]] = k[:ctx]  # the context, written by an earlier step
+    vc.view(-1, kv_heads, D)[slots[:ctx]] = v[:ctx]
+    meta = AttnMetadata(query_start_loc=[0, qlen], query_lens=[qlen], context_lens=[ctx], seq_lens=[total],
+                        is_decode_only=False, slot_mapping=slots[ctx:], block_tables=table, prefill_seqs=[0])
+    out = attn(q[ctx:], k[ctx:], v[ctx:], meta)
+    rep = heads // kv_heads
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().repeat_interleave(rep, 1).transpose(0, 1),
+                                         v.float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
+                                         scale=D ** -0.5).transpose(0, 1)[ctx:]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # the context really is read: attending to the chunk alone gives something else
+    alone = F.scaled_dot_product_attention(q[ctx:].float().transpose(0, 1),
+                                           k[ctx:].float().repeat_interleave(rep, 1).transpose(0, 1),
+                                           v[ctx:].float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
+                                           scale=D ** -0.5).transpose(0, 1)
+    assert not torch.allclose(out.float(), alone, atol=tol)

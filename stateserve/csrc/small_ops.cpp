@@ -11,6 +11,14 @@
 
 namespace {
 
+// Rows per parallel chunk such that a chunk holds at least ~32K elements (~10-20 us of work): a decode step's
+// few rows then run inline on the calling thread. Forking the OpenMP team for a microsecond of work costs more
+// than the work, and on a busy machine a region waits for whichever thread was descheduled.
+inline int64_t rows_grain(int64_t elements_per_row, int64_t min_rows) {
+  constexpr int64_t kInlineElements = 32768;
+  return std::max<int64_t>(min_rows, kInlineElements / std::max<int64_t>(1, elements_per_row));
+}
+
 template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 
@@ -171,7 +179,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const scalar_t* row = xp + m * H;
         const float sq = sum_of_squares(row, H);
@@ -247,7 +255,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tenso
   const float* tp = table.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary_", [&] {
     auto apply = [&](scalar_t* base, int64_t token_stride, int64_t heads, int64_t D) {
-      at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, T, rows_grain(heads * rotary_dim, 16), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const float* cs = tp + pp[t] * rotary_dim;
           for (int64_t h = 0; h < heads; ++h) {
@@ -276,7 +284,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, M, rows_grain(2 * I, 4), [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const scalar_t* g = xp + m * 2 * I;
         const scalar_t* u = g + I;
@@ -311,7 +319,7 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
   float* op = out.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "gated_rms_norm", [&] {
     const scalar_t* gp = gate.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, M, rows_grain(2 * I, 4), [&](int64_t begin, int64_t end) {
       std::vector<float> act(I);  // silu(z) of the row, float32
       for (int64_t m = begin; m < end; ++m) {
         const float* yr = yp + m * I;

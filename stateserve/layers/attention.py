@@ -79,6 +79,27 @@ class Attention(nn.Module):
                          v.transpose(1, 2).to(q.dtype), mask, False)
         return out.view(num_seqs, self.num_heads, self.head_dim)
 
+    def _prefill_with_context_cpu(self, qi: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                                  ctx_blocks: torch.Tensor, ctx: int) -> torch.Tensor:
+        """A later chunk of a prompt on CPU: flash attention over the cached context (every key visible) and over
+        the chunk itself (causal), merged by their log-sum-exps. The single masked SDPA call it replaces takes the
+        math path and builds a [H, chunk, context + chunk] score tensor.
+        qi: [1, H, Lq, D]; k_new, v_new: [Lq, KH, D] (the chunk's own keys, already written to the cache)."""
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        rep = self.num_heads // self.num_kv_heads
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [L, KH, D] -> [1, H, L, D] in q's dtype, as the cache holds it
+            x = x.to(self.k_cache.dtype).to(qi.dtype).transpose(0, 1)
+            return (x.repeat_interleave(rep, 0) if rep > 1 else x).unsqueeze(0)
+
+        k_ctx = self.k_cache[ctx_blocks].flatten(0, 1)[:ctx]
+        v_ctx = self.v_cache[ctx_blocks].flatten(0, 1)[:ctx]
+        o_ctx, lse_ctx = flash(qi, heads(k_ctx), heads(v_ctx), 0.0, False, scale=self.scale)[:2]
+        o_new, lse_new = flash(qi, heads(k_new), heads(v_new), 0.0, True, scale=self.scale)[:2]
+        lse = torch.logaddexp(lse_ctx, lse_new)  # [1, H, Lq] float32
+        out = o_ctx.float() * (lse_ctx - lse).exp().unsqueeze(-1) + o_new.float() * (lse_new - lse).exp().unsqueeze(-1)
+        return out.to(qi.dtype)
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
                  out: torch.Tensor) -> torch.Tensor:
         bs = self.k_cache.shape[1] if self.k_cache is not None else 0
@@ -89,6 +110,9 @@ class Attention(nn.Module):
                 ki = k[start:start + qlen].transpose(0, 1).unsqueeze(0)
                 vi = v[start:start + qlen].transpose(0, 1).unsqueeze(0)
                 oi = self._sdpa(qi, ki.to(qi.dtype), vi.to(qi.dtype), None, self.causal and qlen > 1)
+            elif q.device.type == "cpu" and self.causal:
+                oi = self._prefill_with_context_cpu(qi, k[start:start + qlen], v[start:start + qlen],
+                                                    meta.block_tables[i, :-(-ctx // bs)], ctx)
             else:
                 total = ctx + qlen
                 blocks = meta.block_tables[i, :-(-total // bs)]
