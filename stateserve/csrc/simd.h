@@ -94,5 +94,9 @@ inline __m512 silu_ps(__m512 v) {
   return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v))));
 }
 
+// F.silu applied to a tensor of dtype T, lane by lane: the input rounded to T, silu in float32, rounded to T again.
+template <typename T>
+inline __m512 silu_rounded_ps(__m512 v) { return round_to_ps<T>(silu_ps(round_to_ps<T>(v))); }
+
 }  // namespace stateserve_simd
 #endif

@@ -22,6 +22,13 @@ inline int64_t rows_grain(int64_t elements_per_row, int64_t min_rows) {
 template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// F.silu applied to a T value (input rounded to T, silu in float32, rounded to T again), kept as float32.
+template <typename T>
+inline float silu_rounded(float v) {
+  v = round_to<T>(v);
+  return round_to<T>(v / (1.f + std::exp(-v)));
+}
+
 // (a pragma cannot sit inside AT_DISPATCH's macro arguments, hence a function of its own)
 template <typename T>
 float sum_of_squares(const T* row, int64_t n) {
@@ -58,7 +65,7 @@ int64_t silu_rounded_simd(const float* in, float* out, int64_t n) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
     for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(out + i, round_to_ps<T>(silu_ps(round_to_ps<T>(_mm512_loadu_ps(in + i)))));
+      _mm512_storeu_ps(out + i, silu_rounded_ps<T>(_mm512_loadu_ps(in + i)));
   }
 #endif
   return i;
@@ -87,7 +94,7 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
     const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
     if (y_silu != nullptr)
-      _mm512_storeu_ps(y_silu, round_to_ps<T>(silu_ps(round_to_ps<T>(out))));
+      _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
     else
       store16(y, out);
     return true;
@@ -148,8 +155,7 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
             const float bias_v = has_bias ? bfp[c0 + j] : 0.f;
             const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
             if (yfp != nullptr) {
-              const float v = round_to<scalar_t>(out);
-              yfp[s * C + c0 + j] = round_to<scalar_t>(v / (1.f + std::exp(-v)));
+              yfp[s * C + c0 + j] = silu_rounded<scalar_t>(out);
             } else {
               yp[s * C + c0 + j] = static_cast<scalar_t>(out);
             }
@@ -226,10 +232,7 @@ torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::op
         if (silu_float32) {
           float* yt = y.data_ptr<float>() + t * C;
           int64_t c = silu_rounded_simd<scalar_t>(acc.data(), yt, C);
-          for (; c < C; ++c) {
-            const float v = round_to<scalar_t>(acc[c]);
-            yt[c] = round_to<scalar_t>(v / (1.f + std::exp(-v)));
-          }
+          for (; c < C; ++c) yt[c] = silu_rounded<scalar_t>(acc[c]);
         } else {
           scalar_t* yt = y.data_ptr<scalar_t>() + t * C;
           for (int64_t c = 0; c < C; ++c) yt[c] = static_cast<scalar_t>(acc[c]);
@@ -291,9 +294,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
         scalar_t* o = op + m * I;
         int64_t i = silu_and_mul_simd(g, u, o, I);
         for (; i < I; ++i) {
-          const float gv = static_cast<float>(g[i]);
-          const float act = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
-          o[i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
+          o[i] = static_cast<scalar_t>(silu_rounded<scalar_t>(static_cast<float>(g[i])) * static_cast<float>(u[i]));
         }
       }
     });
@@ -327,7 +328,7 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
         float* orow = op + m * I;
         for (int64_t i = 0; i < I; ++i) act[i] = static_cast<float>(gr[i]);
         int64_t i0 = silu_rounded_simd<float>(act.data(), act.data(), I);
-        for (; i0 < I; ++i0) act[i0] = act[i0] / (1.f + std::exp(-act[i0]));
+        for (; i0 < I; ++i0) act[i0] = silu_rounded<float>(act[i0]);
         for (int64_t g0 = 0; g0 < I; g0 += group_size) {
           float sq = 0.f;
           for (int64_t i = g0; i < g0 + group_size; ++i) {

@@ -147,7 +147,7 @@ class GatedDeltaNet(StatefulLayer):
             q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
         v = v.float().view(T, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = self.neg_exp_A() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:

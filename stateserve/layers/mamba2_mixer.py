@@ -125,8 +125,6 @@ class Mamba2Mixer(StatefulLayer):
             if len(zxbcdt_multipliers) != 5:
                 raise ValueError(f"zxbcdt_multipliers needs 5 values (z, x, B, C, dt), got {zxbcdt_multipliers!r}")
             scale = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, zxbcdt_multipliers)])
-        self._A: torch.Tensor | None = None  # -exp(A_log) cache, see _neg_exp_A
-        self._A_version: tuple[int, int] | None = None
         self.in_proj_scale: torch.Tensor | None
         self.register_buffer("in_proj_scale", scale, persistent=False)  # not a checkpoint tensor
 
@@ -146,13 +144,6 @@ class Mamba2Mixer(StatefulLayer):
     # ---- shared pieces -------------------------------------------------------------------------
     def _conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight.squeeze(1)  # [conv_dim, K]
-
-    def _neg_exp_A(self) -> torch.Tensor:
-        """A = -exp(A_log) in float32 [H], computed once per weight version (it is on every step's path)."""
-        version = (self.A_log._version, self.A_log.data_ptr())
-        if self._A is None or self._A_version != version:
-            self._A, self._A_version = -torch.exp(self.A_log.detach().float()), version
-        return self._A
 
     def _step_sizes(self, dt: torch.Tensor, clamp: bool) -> torch.Tensor:
         """dt: [T, H] raw projection -> softplus(dt + dt_bias), clamped; in the model dtype like transformers."""
@@ -182,7 +173,7 @@ class Mamba2Mixer(StatefulLayer):
         if self.in_proj_scale is not None:
             proj = proj * self.in_proj_scale
         gate, xbc, dt = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        A = self._neg_exp_A()  # [H]
+        A = self.neg_exp_A()  # [H]
         if meta.is_decode_only:
             y = self._decode(xbc, dt, A, meta)
         else:

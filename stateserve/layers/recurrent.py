@@ -20,6 +20,15 @@ class StatefulLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.states: dict[str, torch.Tensor] | None = None
+        self._neg_exp_a: tuple[tuple[int, int], torch.Tensor] | None = None  # ((version, data_ptr), -exp(A_log))
+
+    def neg_exp_A(self) -> torch.Tensor:
+        """-exp(A_log) in float32, for layers with an `A_log` parameter (Mamba, Mamba2, gated delta net). It is on
+        every step's path, so it is computed once per weight version (loading a checkpoint in place bumps it)."""
+        key = (self.A_log._version, self.A_log.data_ptr())
+        if self._neg_exp_a is None or self._neg_exp_a[0] != key:
+            self._neg_exp_a = (key, -torch.exp(self.A_log.detach().float()))
+        return self._neg_exp_a[1]
 
     def cache_spec(self) -> StateSpec:
         raise NotImplementedError

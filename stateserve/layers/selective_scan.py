@@ -221,7 +221,7 @@ class MambaMixer(StatefulLayer):
         conv = causal_conv1d_decode(u, self._conv_weight(), self.conv1d.bias, conv_state, slots, float_accumulate=True)
         u = F.silu(conv)
         dt_raw, B, C = self._ssm_inputs(u)
-        A = -torch.exp(self.A_log.float())
+        A = self.neg_exp_A()  # [D, N]
         y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias.float(), A, B, C, self.D, z)
         self._decode_checkpoints(meta, seqs, slots)
         return y
@@ -250,7 +250,7 @@ class MambaMixer(StatefulLayer):
         u = F.silu(conv_out).to(u.dtype)  # [L, D]
         dt_raw, B, C = self._ssm_inputs(u)
         dt = F.softplus(dt_raw + self.dt_proj.bias.to(dt_raw.dtype))  # [L, D] model dtype, as transformers
-        A = -torch.exp(self.A_log.float())
+        A = self.neg_exp_A()  # [D, N]
         y, h_last, states_at = selective_scan_prefill(u, dt, A, B, C, ssm_state[slot] if resume else None,
                                                       [off for off, _ in snaps], self.scan_chunk,
                                                       D=self.D, gate=F.silu(z))
