@@ -211,3 +211,44 @@ def test_conv_prefill_with_fused_silu_matches_pytorch(dtype, no_kernels):
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
     assert torch.equal(padded, ref_padded)
     assert not torch.allclose(got, plain.float(), atol=1e-2)  # the activation really is applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clamp", [False, True])
+def test_step_sizes_kernel_matches_pytorch(dtype, clamp, no_kernels):
+    from stateserve.layers.mamba2_mixer import Mamba2Mixer
+
+    mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=8, state_size=16, time_step_limit=(0.05, 2.0),
+                        dtype=dtype).to(dtype)
+    g = torch.Generator().manual_seed(10)
+    dt = (torch.randn(6, 4, generator=g) * 4).to(dtype)  # spans both clamp bounds and softplus' linear regime
+    dt[0, 0] = 25.0  # past softplus' threshold (20): the identity branch
+    no_kernels(False)
+    ref = mixer._step_sizes(dt, clamp)
+    no_kernels(True)
+    got = mixer._step_sizes(dt, clamp)
+    assert got.dtype == ref.dtype == torch.float32
+    _close(got, ref, 1e-6)
+    if clamp:
+        assert float(got.min()) >= 0.05 - 1e-3 and float(got.max()) <= 2.0 + 1e-2
+    else:
+        assert float(got.max()) > 2.5  # unclamped values really pass the upper bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_with_fused_silu_matches_pytorch(dtype, no_kernels):
+    g = torch.Generator().manual_seed(11)
+    S, Cn, K, slots_n = 3, 40, 4, 5  # 40 channels: two full vectors and a remainder
+    conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
+    ref_conv = conv.clone()
+    slots = torch.tensor([2, 0, 4])
+    x, w, b = (torch.randn(S, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
+               torch.randn(Cn, generator=g).to(dtype))
+    no_kernels(False)
+    ref = causal_conv1d_decode(x, w, b, ref_conv, slots, silu_float32=True)
+    no_kernels(True)
+    got = causal_conv1d_decode(x, w, b, conv, slots, silu_float32=True)
+    assert got.dtype == ref.dtype == torch.float32
+    _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(conv, ref_conv)
+    assert float(got.min()) > -0.3  # silu's floor (~-0.28): the activation really is applied

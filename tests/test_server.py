@@ -296,6 +296,35 @@ def test_engine_failure_answers_503(model_dir):
         s.stop()
 
 
+def test_serve_defaults_to_a_smaller_step_budget_than_generate():
+    from stateserve.entrypoints.cli import build_parser, engine_kwargs
+    from stateserve.entrypoints.server import SERVER_MAX_NUM_BATCHED_TOKENS
+
+    parser = build_parser()
+    serve = engine_kwargs(parser.parse_args(["serve", "some/model"]))
+    generate = engine_kwargs(parser.parse_args(["generate", "--prompt", "hi"]))
+    assert serve["max_num_batched_tokens"] == SERVER_MAX_NUM_BATCHED_TOKENS == 512
+    assert generate["max_num_batched_tokens"] == 2048
+    explicit = engine_kwargs(parser.parse_args(["serve", "some/model", "--max-num-batched-tokens", "4096"]))
+    assert explicit["max_num_batched_tokens"] == 4096
+
+
+def test_gil_switch_interval_is_short_while_the_engine_runs_and_restored_after(model_dir):
+    from stateserve.entrypoints.async_engine import _GIL_SWITCH_INTERVAL_S
+
+    original = sys.getswitchinterval()  # another engine of this module may have set it already
+    sys.setswitchinterval(0.004)
+    try:
+        s = ServerThread(model_dir[1], max_num_seqs=4)
+        try:
+            assert sys.getswitchinterval() == _GIL_SWITCH_INTERVAL_S
+        finally:
+            s.stop()
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(original)
+
+
 def test_metrics(srv):
     text = httpx2.get(srv.base_url + "/metrics", timeout=10).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total",
