@@ -309,6 +309,38 @@ def test_serve_defaults_to_a_smaller_step_budget_than_generate():
     assert explicit["max_num_batched_tokens"] == 4096
 
 
+def test_build_off_main_thread_returns_or_reraises_from_a_thread_of_its_own():
+    from stateserve.entrypoints.async_engine import build_off_main_thread
+
+    assert build_off_main_thread(threading.current_thread) is not threading.main_thread()
+    with pytest.raises(ZeroDivisionError):
+        build_off_main_thread(lambda: 1 / 0)
+
+
+def test_serve_builds_the_engine_off_the_main_thread(monkeypatch, model_dir):
+    """The main thread must not own an OpenMP team (see build_off_main_thread): `stateserve serve` loads and warms
+    the engine on a builder thread."""
+    import stateserve.engine.llm_engine as llm_engine_module
+    from stateserve.entrypoints.cli import build_parser
+
+    built_on = []
+
+    class Stop(Exception):
+        pass
+
+    class RecordingEngine:
+        def __init__(self, config, show_progress=True):
+            built_on.append(threading.current_thread())
+            raise Stop  # stop cmd_serve before it serves
+
+    monkeypatch.setattr(llm_engine_module, "LLMEngine", RecordingEngine)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # cmd_serve's SIGTERM handler: not in the test process
+    args = build_parser().parse_args(["serve", model_dir[1], "--port", "0"])
+    with pytest.raises(Stop):
+        args.func(args)
+    assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
+
+
 def test_gil_switch_interval_is_short_while_the_engine_runs_and_restored_after(model_dir):
     from stateserve.entrypoints.async_engine import _GIL_SWITCH_INTERVAL_S
 

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead
+from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead, build_off_main_thread
 from stateserve.entrypoints.metrics import ServerMetrics
 from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                     ModelCard, ModelList)
@@ -216,8 +216,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     try:
-        llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs(args)),
-                               show_progress=not envs.STATESERVE_DISABLE_TQDM)
+        config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))  # bad arguments raise here
+        llm_engine = build_off_main_thread(
+            lambda: LLMEngine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM))
     except KeyboardInterrupt:
         return 130
     engine = AsyncEngine(llm_engine, args.max_waiting_requests)
