@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                             for k, _ in ROWS[3:]}
     print(json.dumps(report, indent=2))
     if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(args.output, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if all(r["failed"] == 0 for r in reports.values()) else 1
