@@ -252,3 +252,31 @@ def test_conv_update_with_fused_silu_matches_pytorch(dtype, no_kernels):
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
     assert torch.equal(conv, ref_conv)
     assert float(got.min()) > -0.3  # silu's floor (~-0.28): the activation really is applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_with_cached_layer_taps_follows_weight_loads(dtype, no_kernels):
+    """A Mamba2 mixer hands the kernel its conv weights pre-transposed to float32 and cached per weight version;
+    loading new weights in place must refresh them. 64 sequences x 96 channels: the kernel's parallel path."""
+    from stateserve.layers.mamba2_mixer import Mamba2Mixer
+
+    g = torch.Generator().manual_seed(12)
+    mixer = Mamba2Mixer(hidden_size=48, num_heads=4, head_dim=16, state_size=8, n_groups=1, conv_kernel=4,
+                        dtype=dtype).to(dtype)
+    Cn, K = mixer.conv_dim, mixer.conv_kernel
+    S, slots_n = 64, 70
+    conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
+    slots = torch.randperm(slots_n, generator=g)[:S]
+    x = torch.randn(S, Cn, generator=g).to(dtype)
+    for _ in range(2):  # the second round after an in-place load of new weights
+        with torch.no_grad():
+            mixer.conv1d.weight.copy_(torch.randn(mixer.conv1d.weight.shape, generator=g))
+            mixer.conv1d.bias.copy_(torch.randn(Cn, generator=g))
+        w, b = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+        ref_conv = conv.clone()
+        no_kernels(False)
+        ref = causal_conv1d_decode(x, w, b, ref_conv, slots, silu_float32=True)
+        no_kernels(True)
+        got = causal_conv1d_decode(x, w, b, conv, slots, silu_float32=True, taps=mixer.conv_taps())
+        _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(conv, ref_conv)

@@ -11,7 +11,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
                                       torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
                                       bool round_to_bf16);
 
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
-        py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);
   m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", py::arg("padded"),
         py::arg("weight"), py::arg("bias"), py::arg("silu_float32") = false, nogil);

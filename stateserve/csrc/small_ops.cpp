@@ -106,28 +106,29 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
 }  // namespace
 
 // Depthwise causal conv over the last K inputs of each sequence, shifting the conv state in place.
-// conv_state: [num_slots, C, K-1]; x: [S, C]; weight: [C, K]; bias: [C] or empty; all one dtype.
+// conv_state: [num_slots, C, K-1]; x: [S, C], conv_state's dtype; taps: the conv weight as float32 [K, C] (transposed,
+// so 16 channels' taps are one vector load; the caller caches it per weight version); bias: [C] float32 holding
+// values of x's dtype, or empty.
 // float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
 // expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
 // silu_float32: return silu(y) (rounded to x's dtype, as F.silu on y would) as float32, for the state update.
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor weight,
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
-  TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type() &&
-                  weight.scalar_type() == x.scalar_type(),
-              "conv1d_update_: conv_state, x and weight must share a dtype (conv_state contiguous)");
+  TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type(),
+              "conv1d_update_: conv_state and x must share a dtype (conv_state contiguous)");
+  TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.dim() == 2 && taps.is_contiguous(),
+              "conv1d_update_: taps must be contiguous float32 [K, C]");
   x = x.contiguous();
-  weight = weight.contiguous();
-  auto slot_ids = slots.to(at::kLong).contiguous();
-  const int64_t S = x.size(0), C = x.size(1), K = weight.size(1), W = conv_state.size(2);
-  TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && weight.size(0) == C, "conv1d_update_: shapes do not agree");
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->contiguous().to(x.scalar_type());
+  auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
+  const int64_t S = x.size(0), C = x.size(1), K = taps.size(0), W = conv_state.size(2);
+  TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && taps.size(1) == C, "conv1d_update_: shapes do not agree");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == C && bias->is_contiguous(),
+                "conv1d_update_: bias must be contiguous float32 [C]");
   auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
-  // float32 taps transposed to [K, C] and the bias, so 16 channels' taps are one vector load
-  auto wt = weight.to(at::kFloat).t().contiguous();
-  auto bf = b.defined() ? b.to(at::kFloat).contiguous() : torch::zeros({C}, wt.options());
-  const float *wtp = wt.data_ptr<float>(), *bfp = bf.data_ptr<float>();
-  const bool has_bias = b.defined();
+  const float* wtp = taps.data_ptr<float>();
+  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
   constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector
   const int64_t num_blocks = (C + kBlock - 1) / kBlock;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
@@ -136,13 +137,14 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
     const int64_t* sl = slot_ids.data_ptr<int64_t>();
     scalar_t* yp = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
     float* yfp = silu_float32 ? y.data_ptr<float>() : nullptr;
-    at::parallel_for(0, S * num_blocks, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, S * num_blocks, rows_grain(kBlock * K, 8), [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
         const int64_t n = std::min(kBlock, C - c0);
         scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
         const scalar_t* xs = xp + s * C + c0;
-        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, bfp + c0, has_bias, C, W, float_accumulate,
+        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, has_bias,
+                                                      C, W, float_accumulate,
                                                       yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* row = rows + j * W;
@@ -152,7 +154,7 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
               const float prod = v * wtp[k * C + c0 + j];
               acc += float_accumulate ? prod : round_to<scalar_t>(prod);
             }
-            const float bias_v = has_bias ? bfp[c0 + j] : 0.f;
+            const float bias_v = has_bias ? bias_p[c0 + j] : 0.f;
             const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
             if (yfp != nullptr) {
               yfp[s * C + c0 + j] = silu_rounded<scalar_t>(out);

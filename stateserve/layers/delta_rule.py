@@ -193,7 +193,7 @@ class GatedDeltaNet(StatefulLayer):
             rows = slots[torch.tensor(fresh, device=slots.device)]
             conv_state.index_fill_(0, rows, 0)
             ssm_state.index_fill_(0, rows, 0)
-        y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots)
+        y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, taps=self.conv_taps())
         q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b, a)  # [S, Hv, ...]
         state = ssm_state[slots] * g.exp()[..., None, None]  # [S, Hv, Dk, Dv]
         predicted = torch.einsum("shk,shkv->shv", k, state)

@@ -256,7 +256,7 @@ class Mamba2Mixer(StatefulLayer):
             ssm_states.index_fill_(0, idx, 0)
         fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
         conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots,
-                                        silu_float32=fuse_silu)
+                                        silu_float32=fuse_silu, taps=self.conv_taps())
         x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None

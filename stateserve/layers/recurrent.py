@@ -21,6 +21,7 @@ class StatefulLayer(nn.Module):
         super().__init__()
         self.states: dict[str, torch.Tensor] | None = None
         self._neg_exp_a: tuple[tuple[int, int], torch.Tensor] | None = None  # ((version, data_ptr), -exp(A_log))
+        self._conv_taps: tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def neg_exp_A(self) -> torch.Tensor:
         """-exp(A_log) in float32, for layers with an `A_log` parameter (Mamba, Mamba2, gated delta net). It is on
@@ -29,6 +30,18 @@ class StatefulLayer(nn.Module):
         if self._neg_exp_a is None or self._neg_exp_a[0] != key:
             self._neg_exp_a = (key, -torch.exp(self.A_log.detach().float()))
         return self._neg_exp_a[1]
+
+    def conv_taps(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This layer's `conv1d` as the decode kernel reads it: taps float32 [K, C] and the bias as float32 values of
+        the weight's dtype (or None). Cached per weight version like `neg_exp_A`: converting and transposing them
+        on every call cost more than the conv of a one-token step."""
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        key = (weight._version, weight.data_ptr(), None if bias is None else (bias._version, bias.data_ptr()))
+        if self._conv_taps is None or self._conv_taps[0] != key:
+            taps = weight.detach().squeeze(1).float().t().contiguous()
+            bias_f = None if bias is None else bias.detach().to(weight.dtype).float().contiguous()
+            self._conv_taps = (key, (taps, bias_f))
+        return self._conv_taps[1]
 
     def cache_spec(self) -> StateSpec:
         raise NotImplementedError
@@ -65,15 +78,19 @@ def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          conv_state: torch.Tensor, slots: torch.Tensor, float_accumulate: bool = False,
-                         silu_float32: bool = False) -> torch.Tensor:
+                         silu_float32: bool = False,
+                         taps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """One new token per sequence. x: [S, C]; conv_state: [num_slots, C, K-1] updated in place at `slots`.
 
     float_accumulate=False rounds like `(window * weight).sum(-1) + bias` in x's dtype (transformers' Mamba2
     decode); True sums products and bias in float32 and rounds once, like F.conv1d (its Mamba1 decode).
-    silu_float32: returns `F.silu(y).float()` instead of y, fused into the kernel's pass."""
+    silu_float32: returns `F.silu(y).float()` instead of y, fused into the kernel's pass.
+    taps: the layer's `conv_taps()` (weight and bias in the kernel's layout), computed here when not given."""
     kernels = cpu_kernels.load() if x.device.type == "cpu" else None
     if kernels is not None and x.dtype == conv_state.dtype == weight.dtype and conv_state.is_contiguous():
-        return kernels.conv1d_update_(conv_state, slots, x, weight, bias, float_accumulate, silu_float32)
+        if taps is None:
+            taps = (weight.float().t().contiguous(), None if bias is None else bias.to(weight.dtype).float())
+        return kernels.conv1d_update_(conv_state, slots, x, taps[0], taps[1], float_accumulate, silu_float32)
     if silu_float32:
         return F.silu(causal_conv1d_decode(x, weight, bias, conv_state, slots, float_accumulate)).float()
     if float_accumulate:

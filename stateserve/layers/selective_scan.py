@@ -218,7 +218,8 @@ class MambaMixer(StatefulLayer):
         slots = meta.slots[seqs] if len(seqs) != len(meta.query_lens) else meta.slots
         # summed in float32 and rounded once, as transformers' F.conv1d with its bias (F.conv1d itself costs
         # ~10x more on a one-token window)
-        conv = causal_conv1d_decode(u, self._conv_weight(), self.conv1d.bias, conv_state, slots, float_accumulate=True)
+        conv = causal_conv1d_decode(u, self._conv_weight(), self.conv1d.bias, conv_state, slots, float_accumulate=True,
+                                    taps=self.conv_taps())
         u = F.silu(conv)
         dt_raw, B, C = self._ssm_inputs(u)
         A = self.neg_exp_A()  # [D, N]
