@@ -64,9 +64,10 @@ def test_mamba1_scan_breaks_when_state_is_not_carried(no_kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba1_state_update_in_place_at_slots(dtype, no_kernels):
+@pytest.mark.parametrize("N", [16, 32, 12])  # the kernel's 16-lane path (one or two vectors) and its scalar loop
+def test_mamba1_state_update_in_place_at_slots(dtype, N, no_kernels):
     g = torch.Generator().manual_seed(3)
-    S, D, N, slots_n = 3, 24, 16, 6
+    S, D, slots_n = 3, 24, 6
     state = torch.randn(slots_n, D, N, generator=g)
     slots = torch.tensor([4, 0, 2])
     args = [torch.randn(S, D, generator=g).to(dtype), torch.randn(S, D, generator=g).to(dtype),

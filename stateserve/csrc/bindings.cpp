@@ -9,7 +9,7 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
                                 torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D);
 torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
                                       torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
-                                      bool round_to_bf16);
+                                      torch::Tensor Dskip, torch::Tensor z);
 
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
@@ -36,7 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
   m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
-  m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns C.h", nogil);
+  m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns (C.h + u*D) * silu(z)", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include "simd.h"
 
 namespace {
 // float32 and contiguous, converting at most once (float32 contiguous inputs pass through untouched).
@@ -58,25 +59,41 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
 }
 
 // Mamba1. states: [num_slots, D, N] float32; u, dt: [S, D] (dt after bias and softplus); A: [D, N];
-// B, C: [S, N]. Returns sum_n h[d, n] * C[n] as [S, D] float32; with round_to_bf16 the new state is rounded
-// to bfloat16 before that product, as the bfloat16 PyTorch path's matmul does (the stored state is not).
+// B, C: [S, N]; Dskip: [D]; z: [S, D]. u, B, C and z share the model dtype T (float32 or bfloat16).
+// Returns the gated output (y + u * Dskip) * silu(z) as [S, D] in T, with y = sum_n h[d, n] * C[n], each step
+// rounded to T as the PyTorch path (selective_scan.selective_state_update) rounds it; with T = bfloat16 the new
+// state is also rounded before the product with C, as that path's matmul does (the stored state is not).
+// The state row of a channel is N floats: with N a multiple of 16 the update runs 16 lanes at a time.
 torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
                                       torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
-                                      bool round_to_bf16) {
+                                      torch::Tensor Dskip, torch::Tensor z) {
   TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous(),
               "selective_state_update_: float32 states");
-  u = f32(u), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C);
-  auto slot_ids = slots.to(at::kLong).contiguous();
+  const auto dtype = u.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && C.scalar_type() == dtype &&
+                  z.scalar_type() == dtype && B.scalar_type() == dtype,
+              "selective_state_update_: u, B, C and z must share a float32 or bfloat16 dtype");
+  const bool bf16 = dtype == at::kBFloat16;
+  auto r = [bf16](float v) { return bf16 ? static_cast<float>(static_cast<at::BFloat16>(v)) : v; };
+  auto out = torch::empty(u.sizes(), u.options());
+  u = f32(u), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C), z = f32(z);
+  Dskip = Dskip.to(dtype).to(at::kFloat).contiguous();  // D.to(u.dtype) in the PyTorch path
+  auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
   const int64_t S = u.size(0), Dn = u.size(1), N = states.size(2);
-  TORCH_CHECK(states.size(1) == Dn && A.size(0) == Dn && A.size(1) == N && B.size(1) == N,
+  TORCH_CHECK(states.size(1) == Dn && A.size(0) == Dn && A.size(1) == N && B.size(1) == N && C.size(1) == N &&
+                  Dskip.numel() == Dn && z.size(0) == S && z.size(1) == Dn,
               "selective_state_update_: shapes do not agree");
-  auto y = torch::empty({S, Dn}, u.options());
   float* st = states.data_ptr<float>();
   const float *up = u.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
-  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *Dp = Dskip.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, S * Dn, 64, [&](int64_t begin, int64_t end) {
+  float* yp = nullptr;
+  at::BFloat16* ybp = nullptr;
+  if (bf16) ybp = out.data_ptr<at::BFloat16>(); else yp = out.data_ptr<float>();
+  // ~64 channels (1K state elements) per task at least; a one-token step of a small model runs inline
+  const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(1, N));
+  at::parallel_for(0, S * Dn, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / Dn, d = task % Dn;
       const float dv = dtp[s * Dn + d], uv = up[s * Dn + d];
@@ -85,15 +102,34 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
       const float* c = Cp + s * N;
       float* row = st + (sl[s] * Dn + d) * N;
       float acc = 0.f;
-      for (int64_t n = 0; n < N; ++n) {
-        // (dt * B) * u: the association of the PyTorch path
+      int64_t n = 0;
+#if defined(__AVX512F__)
+      if (N % 16 == 0) {
+        using namespace stateserve_simd;
+        const __m512 dvv = _mm512_set1_ps(dv), uvv = _mm512_set1_ps(uv);
+        __m512 accv = _mm512_setzero_ps();
+        for (; n < N; n += 16) {
+          // h * exp(dt * A) + (dt * B) * u, the association of the PyTorch path
+          const __m512 decay = exp_ps(_mm512_mul_ps(dvv, _mm512_loadu_ps(a + n)));
+          const __m512 inject = _mm512_mul_ps(_mm512_mul_ps(dvv, _mm512_loadu_ps(b + n)), uvv);
+          const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(row + n), decay), inject);
+          _mm512_storeu_ps(row + n, v);
+          const __m512 vr = bf16 ? round_bf16_ps(v) : v;
+          accv = _mm512_fmadd_ps(vr, _mm512_loadu_ps(c + n), accv);
+        }
+        acc = _mm512_reduce_add_ps(accv);
+      }
+#endif
+      for (; n < N; ++n) {
         const float v = row[n] * std::exp(dv * a[n]) + (dv * b[n]) * uv;
         row[n] = v;
-        const float vr = round_to_bf16 ? static_cast<float>(static_cast<at::BFloat16>(v)) : v;
-        acc += vr * c[n];
+        acc += r(v) * c[n];
       }
-      yp[s * Dn + d] = acc;
+      // (y + u * D) * silu(z), rounded op by op as in the model dtype
+      const float zv = zp[s * Dn + d];
+      const float gated = r(r(r(acc) + r(uv * Dp[d])) * r(zv / (1.f + std::exp(-zv))));
+      if (bf16) ybp[s * Dn + d] = static_cast<at::BFloat16>(gated); else yp[s * Dn + d] = gated;
     }
   });
-  return y;
+  return out;
 }

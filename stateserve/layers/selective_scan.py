@@ -20,6 +20,7 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
+from stateserve.layers.linear import linear_without_bias
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
@@ -109,14 +110,14 @@ def selective_state_update(ssm_state: torch.Tensor, slots: torch.Tensor, u: torc
     u, dt_raw (before bias), z: [S, D]; B, C: [S, N]; A: [D, N] float32. Returns the gated output [S, D]."""
     dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
     kernels = cpu_kernels.load() if ssm_state.device.type == "cpu" else None
-    if kernels is not None and ssm_state.dtype == torch.float32 and C.dtype in (torch.float32, torch.bfloat16):
-        # the same update in one pass over each state, in place
-        y = kernels.selective_state_update_(ssm_state, slots, u, dt, A, B, C, C.dtype == torch.bfloat16).to(C.dtype)
-    else:
-        dt32 = dt.float()[:, :, None]
-        h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
-        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
-        y = torch.matmul(h.to(C.dtype), C[:, :, None]).squeeze(-1)  # [S, D]
+    if kernels is not None and ssm_state.dtype == torch.float32 and C.dtype in (torch.float32, torch.bfloat16) \
+            and u.dtype == B.dtype == C.dtype == z.dtype:
+        # the update and everything below in one pass over each state, in place, with the same rounding
+        return kernels.selective_state_update_(ssm_state, slots, u, dt, A, B, C, D, z)
+    dt32 = dt.float()[:, :, None]
+    h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
+    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    y = torch.matmul(h.to(C.dtype), C[:, :, None]).squeeze(-1)  # [S, D]
     y = y + u * D.to(u.dtype)
     return y * F.silu(z)
 
@@ -189,7 +190,7 @@ class MambaMixer(StatefulLayer):
         dt_low, B, C = self.x_proj(u).split([self.time_step_rank, self.state_size, self.state_size], dim=-1)
         if self.bcdt_norm is not None:
             dt_low, B, C = self.dt_layernorm(dt_low), self.b_layernorm(B), self.c_layernorm(C)
-        return F.linear(dt_low, self.dt_proj.weight), B, C
+        return linear_without_bias(self.dt_proj, dt_low), B, C
 
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
@@ -223,7 +224,7 @@ class MambaMixer(StatefulLayer):
         u = F.silu(conv)
         dt_raw, B, C = self._ssm_inputs(u)
         A = self.neg_exp_A()  # [D, N]
-        y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias.float(), A, B, C, self.D, z)
+        y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias, A, B, C, self.D, z)
         self._decode_checkpoints(meta, seqs, slots)
         return y
 
