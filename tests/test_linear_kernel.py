@@ -24,7 +24,7 @@ def _rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [
-    (1, 64, 64), (3, 7, 33), (4, 9, 16), (5, 130, 100), (8, 1, 17), (17, 64, 768), (64, 255, 31), (2, 6, 1)])
+    (1, 64, 64), (1, 13, 40), (1, 21, 70), (3, 7, 33), (4, 9, 16), (5, 130, 100), (8, 1, 17), (17, 64, 768), (64, 255, 31), (2, 6, 1)])
 def test_kernel_matches_float64(dtype, rows, out_features, in_features):
     if not _supported(dtype):
         pytest.skip(f"no kernel for {dtype} on this CPU")

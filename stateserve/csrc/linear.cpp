@@ -23,6 +23,9 @@ namespace {
 
 constexpr int kNR = 4;  // rows of W per tile
 constexpr int kMR = 4;  // rows of x per tile
+// With one row of x, 4 accumulators leave the bfloat16 kernel bound by vdpbf16ps latency (~36 GB/s of weights);
+// 8 rows of W per tile reach ~45 (the memory). Each output is still one chain over k, so sums do not change.
+constexpr int kWideNR = 8;
 
 #if SS_HAVE_AVX512
 // float32: 16 lanes of k per step.
@@ -109,6 +112,13 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
       default: NAME<MR, 1>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                        \
     }                                                                                                        \
   }                                                                                                          \
+  /* one row of x: kWideNR rows of W per tile (more independent accumulator chains), remainders by 4 */       \
+  inline void NAME##_row(int nr, const T* x, const T* w, int64_t ldw, int64_t K, T* out, const T* bias) {     \
+    if (nr == kWideNR) return NAME<1, kWideNR>(x, K, w, ldw, K, out, nr, bias, nullptr);                      \
+    for (int j = 0; j < nr; j += kNR)                                                                        \
+      NAME##_nr<1>(std::min(kNR, nr - j), x, K, w + j * ldw, ldw, K, out + j, nr, bias ? bias + j : nullptr,  \
+                   nullptr);                                                                                 \
+  }                                                                                                          \
   inline void NAME##_any(int mr, int nr, const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out, \
                          int64_t ldo, const T* bias, const T* pf) {                                                       \
     switch (mr) {                                                                                            \
@@ -127,9 +137,19 @@ SS_TILE_FN(tile_bf16, at::BFloat16)
 #endif
 
 // Threads split W's rows; each thread walks its W tiles once and reuses each tile (hot in L1) for all rows of x.
-template <typename T, typename TileFn>
+template <typename T, typename TileFn, typename RowFn>
 void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64_t N, T* out, const T* bias,
-                TileFn tile) {
+                TileFn tile, RowFn row) {
+  if (M == 1) {
+    at::parallel_for(0, (N + kWideNR - 1) / kWideNR, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kWideNR;
+        row(static_cast<int>(std::min<int64_t>(kWideNR, N - n0)), x, w + n0 * K, K, out + n0,
+            bias ? bias + n0 : nullptr);
+      }
+    });
+    return;
+  }
   const int64_t num_tiles = (N + kNR - 1) / kNR;
   at::parallel_for(0, num_tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -137,11 +157,11 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64
       const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
       for (int64_t m0 = 0; m0 < M; m0 += kMR) {
         const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
-        // With several rows of x, prefetch the next tile of W (streamed from DRAM) while this one is multiplied:
-        // one tile ahead is 4*K elements, far enough to hide the latency, near enough to stay in L1. A single row
-        // (a one-request decode) streams W faster on the hardware prefetcher alone (+5-8% measured).
+        // Prefetch the next tile of W (streamed from DRAM) while this one is multiplied by every row of x: one
+        // tile ahead is 4*K elements, far enough to hide the latency, near enough to stay in L1. (A single row
+        // takes the path above, without software prefetch: the hardware prefetcher alone streams W 5-8% faster.)
         tile(mr, nr, x + m0 * ldx, ldx, w + n0 * K, K, K, out + m0 * N + n0, N, bias ? bias + n0 : nullptr,
-             M == 1 ? nullptr : w + std::min<int64_t>(n0 + kNR, N - 1) * K);
+             w + std::min<int64_t>(n0 + kNR, N - 1) * K);
       }
     }
   });
@@ -178,6 +198,9 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
                       [](int mr, int nr, const float* xp, int64_t ldx, const float* wp, int64_t ldw, int64_t k,
                          float* op, int64_t ldo, const float* bp, const float* pf) {
                         tile_f32_any(mr, nr, xp, ldx, wp, ldw, k, op, ldo, bp, pf);
+                      },
+                      [](int nr, const float* xp, const float* wp, int64_t k, float* op, const float* bp) {
+                        tile_f32_row(nr, xp, wp, k, k, op, bp);
                       });
     return out;
   }
@@ -188,7 +211,10 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
     run_linear<bf>(x.data_ptr<bf>(), x.stride(0), weight.data_ptr<bf>(), K, M, N, out.data_ptr<bf>(),
                    b.defined() ? b.data_ptr<bf>() : nullptr,
                    [](int mr, int nr, const bf* xp, int64_t ldx, const bf* wp, int64_t ldw, int64_t k, bf* op,
-                      int64_t ldo, const bf* bp, const bf* pf) { tile_bf16_any(mr, nr, xp, ldx, wp, ldw, k, op, ldo, bp, pf); });
+                      int64_t ldo, const bf* bp, const bf* pf) { tile_bf16_any(mr, nr, xp, ldx, wp, ldw, k, op, ldo, bp, pf); },
+                   [](int nr, const bf* xp, const bf* wp, int64_t k, bf* op, const bf* bp) {
+                     tile_bf16_row(nr, xp, wp, k, k, op, bp);
+                   });
     return out;
   }
 #endif
