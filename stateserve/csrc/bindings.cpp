@@ -7,6 +7,10 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
 bool fast_linear_supported(c10::ScalarType dtype);
 torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
                                 torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D);
+torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
+                             torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
+                             c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
+                             double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups);
 torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
                                       torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
                                       torch::Tensor Dskip, torch::Tensor z);
@@ -36,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
   m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
+  m.def("mamba2_decode_", &mamba2_decode_, "Mamba2 decode after in_proj: conv, step sizes, state update; returns y",
+        nogil);
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: state update in place, returns (C.h + u*D) * silu(z)", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),

@@ -13,6 +13,32 @@ namespace {
 inline torch::Tensor f32(const torch::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 }  // namespace
 
+// small_ops.cpp
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
+torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi);
+
+namespace {
+// One head of one sequence: state [P, N] <- state * exp(dt * A) + (x * dt) B, y[p] = state[p] . C (+ D x[p]).
+inline void ssd_head_update(float* state, const float* x, float dt, float A, const float* b, const float* c,
+                            const float* D, int64_t P, int64_t N, float* y) {
+  const float decay = std::exp(dt * A);
+  for (int64_t p = 0; p < P; ++p) {
+    const float xv = x[p];
+    const float dx = xv * dt;
+    float* row = state + p * N;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t n = 0; n < N; ++n) {
+      const float v = row[n] * decay + dx * b[n];
+      row[n] = v;
+      acc += v * c[n];
+    }
+    y[p] = D ? acc + *D * xv : acc;
+  }
+}
+}  // namespace
+
 // Mamba2 / SSD. states: [num_slots, H, P, N] float32; slots: [S] int64; x: [S, H, P], dt: [S, H] (after
 // softplus), B, C: [S, G, N], all float32; A, D: [H] float32 (D may be empty). Returns y: [S, H, P] float32.
 torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
@@ -35,24 +61,49 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
   at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / H, h = task % H, g = h / heads_per_group;
-      const float d = dtp[s * H + h];
-      const float decay = std::exp(d * Ap[h]);
-      const float* b = Bp + (s * G + g) * N;
-      const float* c = Cp + (s * G + g) * N;
-      float* state = st + (sl[s] * H + h) * P * N;
-      for (int64_t p = 0; p < P; ++p) {
-        const float xv = xp[(s * H + h) * P + p];
-        const float dx = xv * d;
-        float* row = state + p * N;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t n = 0; n < N; ++n) {
-          const float v = row[n] * decay + dx * b[n];
-          row[n] = v;
-          acc += v * c[n];
-        }
-        yp[(s * H + h) * P + p] = Dp ? acc + Dp[h] * xv : acc;
-      }
+      ssd_head_update(st + (sl[s] * H + h) * P * N, xp + (s * H + h) * P, dtp[s * H + h], Ap[h],
+                      Bp + (s * G + g) * N, Cp + (s * G + g) * N, Dp ? Dp + h : nullptr, P, N,
+                      yp + (s * H + h) * P);
+    }
+  });
+  return y;
+}
+
+// A whole Mamba2 decode step after in_proj, in one call: the conv update with SiLU (conv1d_update_), the step
+// sizes (dt_softplus), then the SSD state update reading x, B and C in place from the conv output. Same
+// arithmetic as those three kernels one after the other (the Python path), without the Python between them and
+// the copies of the x / B / C views. xbc: [S, conv_dim = H*P + 2*G*N] and dt: [S, H] in the model dtype; taps,
+// conv_bias: the layer's conv_taps(); dt_bias, A, D: [H] float32 (dt_bias holding model-dtype values).
+torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
+                             torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
+                             c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
+                             double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups) {
+  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous() && ssm_state.dim() == 4,
+              "mamba2_decode_: float32 contiguous ssm states [slots, H, P, N]");
+  const int64_t H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3), G = n_groups;
+  TORCH_CHECK(G > 0 && H % G == 0 && xbc.dim() == 2 && xbc.size(1) == H * P + 2 * G * N && dt.dim() == 2 &&
+                  dt.size(0) == xbc.size(0) && dt.size(1) == H && A.numel() == H,
+              "mamba2_decode_: shapes do not agree");
+  auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
+  auto conv_out = conv1d_update_(conv_state, slot_ids, xbc, taps, conv_bias, false, true);  // [S, conv_dim] f32
+  auto steps = dt_softplus(dt, dt_bias, dt_min, dt_max);  // [S, H] f32
+  A = f32(A);
+  torch::Tensor Dv;
+  if (D.has_value() && D->defined()) Dv = f32(*D);
+  const int64_t S = xbc.size(0), conv_dim = xbc.size(1), inner = H * P;
+  auto y = torch::empty({S, H, P}, conv_out.options());
+  float* st = ssm_state.data_ptr<float>();
+  const float *cp = conv_out.data_ptr<float>(), *dtp = steps.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
+  const int64_t* sl = slot_ids.data_ptr<int64_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t heads_per_group = H / G;
+  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / H, h = task % H, g = h / heads_per_group;
+      const float* row = cp + s * conv_dim;  // [x (H*P) | B (G*N) | C (G*N)]
+      ssd_head_update(st + (sl[s] * H + h) * P * N, row + h * P, dtp[s * H + h], Ap[h], row + inner + g * N,
+                      row + inner + G * N + g * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
     }
   });
   return y;

@@ -255,6 +255,25 @@ class Mamba2Mixer(StatefulLayer):
             conv_states.index_fill_(0, idx, 0)
             ssm_states.index_fill_(0, idx, 0)
         fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
+        kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
+        if kernels is not None and fuse_silu and ssm_states.dtype == torch.float32 and conv_states.is_contiguous() \
+                and xbc.dtype == conv_states.dtype == self.conv1d.weight.dtype and dt.dtype == xbc.dtype \
+                and dt.dtype in (torch.float32, torch.bfloat16):
+            # conv, step sizes and state update in one call: the same kernels as below, ~40 us less a layer
+            lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
+            taps, conv_bias = self.conv_taps()
+            y = kernels.mamba2_decode_(conv_states, ssm_states, slots, xbc, dt, taps, conv_bias, self.dt_bias,
+                                       lo, hi, A, self.D, self.n_groups)  # [S', H, P]
+        else:
+            y = self._decode_unfused(xbc, dt, A, slots)
+        self._copy_decode_checkpoints(meta, seqs, slots)
+        return y
+
+    def _decode_unfused(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor
+                        ) -> torch.Tensor:
+        """The decode update op by op (any device, any activation). -> [S', H, P]"""
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        fuse_silu = self.act is F.silu
         conv_out = causal_conv1d_decode(xbc, self._conv_weight(), self.conv1d.bias, conv_states, slots,
                                         silu_float32=fuse_silu, taps=self.conv_taps())
         x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
@@ -265,6 +284,13 @@ class Mamba2Mixer(StatefulLayer):
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
             ssm_states.index_copy_(0, slots, new_state)
+        return y
+
+    def _copy_decode_checkpoints(self, meta: StateMetadata, seqs: list[int], slots: torch.Tensor) -> None:
+        """Prefix-cache snapshots after a decode token: the new conv and ssm state rows copied to their slots."""
+        if not meta.checkpoints:
+            return
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         position = {seq: j for j, seq in enumerate(seqs)}
         for i, off, dst in meta.checkpoints:
             if i not in position:
@@ -274,4 +300,3 @@ class Mamba2Mixer(StatefulLayer):
             src = slots[position[i]]
             conv_states[dst].copy_(conv_states[src])
             ssm_states[dst].copy_(ssm_states[src])
-        return y
