@@ -18,16 +18,17 @@ namespace {
 // kRows rows of one head, N = 16 * kVecs, with the state in registers for the whole chunk. Per token only B_t,
 // C_t and x_t are loaded; the loop-carried dependency is one FMA per state vector.
 template <int kVecs, int kRows>
-void scan_rows_in_registers(float* state, const float* xp, const float* dtp, const float* Bp, const float* Cp,
+void scan_rows_in_registers(float* state, const float* xp, const float* dtp, const float* decays, const float* Bp,
+                            const float* Cp,
                             float* yp, float* snaps, const int64_t* want, int64_t L, int64_t H, int64_t G,
-                            int64_t P, int64_t h, int64_t g, int64_t p0, float a, const float* skip) {
+                            int64_t P, int64_t h, int64_t g, int64_t p0, const float* skip) {
   constexpr int64_t N = 16 * kVecs;
   __m512 s[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
     for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_loadu_ps(state + r * N + 16 * v);
   for (int64_t t = 0; t < L; ++t) {
     const float d = dtp[t * H + h];
-    const __m512 decay = _mm512_set1_ps(std::exp(d * a));
+    const __m512 decay = _mm512_set1_ps(decays[t * H + h]);
     const float* b = Bp + (t * G + g) * N;
     const float* c = Cp + (t * G + g) * N;
     const float* xt = xp + (t * H + h) * P + p0;
@@ -97,6 +98,13 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
   const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   float *sp = state.data_ptr<float>(), *yp = y.data_ptr<float>(), *snp = snaps.data_ptr<float>();
   const int64_t heads_per_group = H / G;
+  // exp(dt * A) of every token and head, computed once: each of a head's row blocks needs all of them, and a
+  // scalar exp per token per block cost as much as the block's state update.
+  std::vector<float> decays(L * H);
+  at::parallel_for(0, L, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * H; i < end * H; ++i) decays[i] = std::exp(dtp[i] * Ap[i % H]);
+  });
+  const float* dcp = decays.data();
   // A task is kRows rows of one head: 16 x N floats (4 KB at N = 64) stay in L1 while all tokens stream past.
   constexpr int64_t kRows = 16;
   const int64_t blocks_per_head = (P + kRows - 1) / kRows;
@@ -105,7 +113,6 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
       const int64_t h = task / blocks_per_head, p0 = (task % blocks_per_head) * kRows;
       const int64_t rows = std::min(kRows, P - p0), g = h / heads_per_group;
       float* block = sp + (h * P + p0) * N;  // rows p0 .. p0+rows-1 of head h, updated in place
-      const float a = Ap[h];
       const float skip = Dp ? Dp[h] : 0.f;
 #if defined(__AVX512F__)
       // 16 state vectors in registers per call, leaving room for B_t, C_t and the accumulators.
@@ -113,7 +120,7 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
         const int64_t step = 256 / N;
         for (int64_t r0 = 0; r0 < rows; r0 += step) {
           float* st = block + r0 * N;
-          const auto args = std::make_tuple(st, xp, dtp, Bp, Cp, yp, snp, want.data(), L, H, G, P, h, g, p0 + r0, a,
+          const auto args = std::make_tuple(st, xp, dtp, dcp, Bp, Cp, yp, snp, want.data(), L, H, G, P, h, g, p0 + r0,
                                             Dp ? &skip : nullptr);
           if (N == 16) std::apply(scan_rows_in_registers<1, 16>, args);
           else if (N == 32) std::apply(scan_rows_in_registers<2, 8>, args);
@@ -125,7 +132,7 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
 #endif
       for (int64_t t = 0; t < L; ++t) {
         const float d = dtp[t * H + h];
-        const float decay = std::exp(d * a);
+        const float decay = dcp[t * H + h];
         const float* b = Bp + (t * G + g) * N;
         const float* c = Cp + (t * G + g) * N;
         const float* xt = xp + (t * H + h) * P + p0;
