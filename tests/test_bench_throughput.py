@@ -105,3 +105,13 @@ def test_parse_args_rejects_unknowns():
         throughput.parse_args(["--engines", "vllm"])  # needs --vllm-python
     args = throughput.parse_args(["--size", "small", "--llamacpp-python", "/x/python"])
     assert args.engines == ["stateserve", "transformers", "llamacpp"] and args.timeout == 600.0
+
+
+def test_stateserve_args_reach_only_our_runner():
+    args = throughput.parse_args(["--stateserve-arg", "mamba_ssm_cache_dtype=auto",
+                                  "--stateserve-arg", "max_num_seqs=32"])
+    assert throughput.engine_kwargs("stateserve", args) == {
+        "enable_prefix_caching": False, "mamba_ssm_cache_dtype": "auto", "max_num_seqs": 32}
+    assert throughput.engine_kwargs("vllm", args) == {"enable_prefix_caching": False}
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--stateserve-arg", "no_equals_sign"])

@@ -323,3 +323,51 @@ def test_fused_mamba2_decode_equals_the_op_by_op_path(dtype, no_kernels):
     untouched = [i for i in range(num_slots) if i not in slots.tolist()]
     assert all(torch.equal(sf[k][untouched], states[k][untouched]) for k in sf)
     assert not torch.equal(sf["ssm"][slots], states["ssm"][slots])  # the update happened
+
+
+def test_bfloat16_ssm_states_update_in_float32_and_store_rounded(no_kernels):
+    """With bfloat16 SSM states (mamba_ssm_cache_dtype) the fused decode and the plain state update compute as on
+    float32 states holding the same values and store the new state rounded: y agrees to float32 summation order,
+    the state is the float32 result rounded to bfloat16 (within one bfloat16 step where that order flips a
+    rounding)."""
+    from stateserve.layers.mamba2_mixer import Mamba2Mixer
+
+    g = torch.Generator().manual_seed(5)
+    mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
+                        dtype=torch.float32)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    conv = torch.randn(6, mixer.conv_dim, 3, generator=g)
+    ssm16 = torch.randn(6, 4, 16, 16, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([4, 1, 3])
+    xbc, dt = torch.randn(3, mixer.conv_dim, generator=g), torch.randn(3, 4, generator=g)
+    A = mixer.neg_exp_A()
+    taps, bias = mixer.conv_taps()
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        states = ssm16.to(dtype).clone()
+        y = kernels.mamba2_decode_(conv.clone(), states, slots, xbc, dt, taps, bias, mixer.dt_bias, 0.0,
+                                   float("inf"), A, mixer.D, 2)
+        outs[dtype] = (y, states)
+    (y32, s32), (y16, s16) = outs[torch.float32], outs[torch.bfloat16]
+    assert s16.dtype == torch.bfloat16
+    _close(y16, y32, 1e-5)
+    _close_bf16_state(s16, s32)
+    untouched = [i for i in range(6) if i not in slots.tolist()]
+    assert torch.equal(s16[untouched], ssm16[untouched]) and not torch.equal(s16[slots], ssm16[slots])
+    # the op-by-op kernel on the same inputs
+    x, dts = torch.randn(3, 4, 16, generator=g), torch.rand(3, 4, generator=g)
+    B, C = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    st32, st16 = ssm16.float(), ssm16.clone()
+    ya = kernels.ssd_state_update_(st32, slots, x, dts, A, B, C, mixer.D)
+    yb = kernels.ssd_state_update_(st16, slots, x, dts, A, B, C, mixer.D)
+    _close(yb, ya, 1e-5)
+    _close_bf16_state(st16, st32)
+
+
+def _close_bf16_state(got: torch.Tensor, full: torch.Tensor) -> None:
+    """got (bfloat16) is full (float32) rounded, up to one bfloat16 step."""
+    step = full.abs().clamp_min(1e-30) * 2.0 ** -7
+    assert ((got.float() - full).abs() <= step).all()
+    assert (got == full.to(torch.bfloat16)).float().mean() > 0.99

@@ -91,6 +91,45 @@ def test_bfloat16_logits(tmp_path):
         assert state["conv"].dtype == torch.bfloat16 and state["ssm"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("choice", ["bfloat16", "auto"])
+def test_bfloat16_ssm_state_option(choice, tmp_path):
+    """mamba_ssm_cache_dtype keeps the SSM state in bfloat16 (auto: the model's dtype): decode steps and resumed
+    prefill chunks read and write rounded states, so logits stay close to the float32-state run but not equal;
+    greedy tokens of a decisive model match transformers; prefix-cache snapshots are taken in the same dtype."""
+    hf, path = _build(tmp_path, n_groups=2, chunk_size=8)
+    tokens = list(range(3, 60))
+    dtype = "bfloat16" if choice == "auto" else "float32"
+    with LLM(path, skip_tokenizer_init=True, dtype=dtype) as llm:
+        reference = engine_teacher_forced_logits(llm, tokens, 1)
+    with LLM(path, skip_tokenizer_init=True, dtype=dtype, mamba_ssm_cache_dtype=choice, block_size=4,
+             max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
+        state = llm.llm_engine.runner.storage.states["backbone.layers.0.mixer"]
+        assert state["ssm"].dtype == torch.bfloat16
+        got = engine_teacher_forced_logits(llm, tokens, 1)  # every token a decode step on the rounded state
+        assert not torch.equal(got, reference)
+        torch.testing.assert_close(got, reference, atol=0.25, rtol=0.05)
+        if dtype == "float32":
+            ref = hf_greedy(hf, PROMPTS, 8)
+            for _ in range(2):  # the second round resumes from bfloat16 snapshots
+                outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS)
+            assert llm.llm_engine.cache.snapshots is not None
+        llm.llm_engine.check_integrity()
+
+
+def test_ssm_state_option_refused_by_float32_only_layers_and_checked(tmp_path):
+    from transformers import MambaConfig, MambaForCausalLM
+
+    hf = build_hf_model(MambaConfig, MambaForCausalLM, vocab_size=300, hidden_size=32, state_size=8,
+                        num_hidden_layers=2, tie_word_embeddings=False)
+    path = save_model(hf, str(tmp_path / "mamba1"))
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype=bfloat16: MambaMixer keeps its state in float32"):
+        LLM(path, skip_tokenizer_init=True, mamba_ssm_cache_dtype="bfloat16")
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be float32, bfloat16 or auto"):
+        LLM(path, skip_tokenizer_init=True, mamba_ssm_cache_dtype="fp8")
+
+
 def test_weight_names_and_config_checks(tmp_path):
     cfg = Mamba2Config(**{**BASE, "n_groups": 2})
     model = OurMamba2(cfg, torch.float32)

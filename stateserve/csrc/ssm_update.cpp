@@ -20,30 +20,71 @@ torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, do
 
 namespace {
 // One head of one sequence: state [P, N] <- state * exp(dt * A) + (x * dt) B, y[p] = state[p] . C (+ D x[p]).
-inline void ssd_head_update(float* state, const float* x, float dt, float A, const float* b, const float* c,
+// S = float or at::BFloat16: the update is computed in float32 and only the stored state is rounded (y uses the
+// unrounded new state).
+template <typename S>
+inline void ssd_head_update(S* state, const float* x, float dt, float A, const float* b, const float* c,
                             const float* D, int64_t P, int64_t N, float* y) {
   const float decay = std::exp(dt * A);
   for (int64_t p = 0; p < P; ++p) {
     const float xv = x[p];
     const float dx = xv * dt;
-    float* row = state + p * N;
+    S* row = state + p * N;
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t n = 0; n < N; ++n) {
-      const float v = row[n] * decay + dx * b[n];
-      row[n] = v;
+      const float v = static_cast<float>(row[n]) * decay + dx * b[n];
+      row[n] = static_cast<S>(v);
       acc += v * c[n];
     }
     y[p] = D ? acc + *D * xv : acc;
   }
 }
+
+#if defined(__AVX512F__)
+// bfloat16 states, N a multiple of 16: the same update with explicit vectors (the generic loop above does not
+// vectorise the bfloat16 conversions), state rows widened on load and rounded to nearest even on store.
+template <>
+inline void ssd_head_update<at::BFloat16>(at::BFloat16* state, const float* x, float dt, float A, const float* b,
+                                          const float* c, const float* D, int64_t P, int64_t N, float* y) {
+  using namespace stateserve_simd;
+  if (N % 16 != 0) {
+    const float decay = std::exp(dt * A);
+    for (int64_t p = 0; p < P; ++p) {
+      at::BFloat16* row = state + p * N;
+      float acc = 0.f;
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = static_cast<float>(row[n]) * decay + x[p] * dt * b[n];
+        row[n] = static_cast<at::BFloat16>(v);
+        acc += v * c[n];
+      }
+      y[p] = D ? acc + *D * x[p] : acc;
+    }
+    return;
+  }
+  const __m512 decay = _mm512_set1_ps(std::exp(dt * A));
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512 dx = _mm512_set1_ps(x[p] * dt);
+    at::BFloat16* row = state + p * N;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t n = 0; n < N; n += 16) {
+      const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
+      store16(row + n, v);
+      acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), acc);
+    }
+    const float sum = _mm512_reduce_add_ps(acc);
+    y[p] = D ? sum + *D * x[p] : sum;
+  }
+}
+#endif
 }  // namespace
 
 // Mamba2 / SSD. states: [num_slots, H, P, N] float32; slots: [S] int64; x: [S, H, P], dt: [S, H] (after
 // softplus), B, C: [S, G, N], all float32; A, D: [H] float32 (D may be empty). Returns y: [S, H, P] float32.
 torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
                                 torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D) {
-  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous(), "ssd_state_update_: float32 states");
+  TORCH_CHECK((states.scalar_type() == at::kFloat || states.scalar_type() == at::kBFloat16) && states.is_contiguous(),
+              "ssd_state_update_: contiguous float32 or bfloat16 states");
   x = f32(x), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C);
   auto slot_ids = slots.to(at::kLong).contiguous();
   const int64_t S = x.size(0), H = x.size(1), P = x.size(2), N = states.size(3), G = B.size(1);
@@ -52,19 +93,21 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
   torch::Tensor Dv;
   if (D.has_value() && D->defined()) Dv = D->contiguous().to(at::kFloat);
   auto y = torch::empty({S, H, P}, x.options());
-  float* st = states.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
   const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
   const int64_t heads_per_group = H / G;
-  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / H, h = task % H, g = h / heads_per_group;
-      ssd_head_update(st + (sl[s] * H + h) * P * N, xp + (s * H + h) * P, dtp[s * H + h], Ap[h],
-                      Bp + (s * G + g) * N, Cp + (s * G + g) * N, Dp ? Dp + h : nullptr, P, N,
-                      yp + (s * H + h) * P);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, states.scalar_type(), "ssd_state_update_", [&] {
+    scalar_t* st = states.data_ptr<scalar_t>();
+    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / H, h = task % H, g = h / heads_per_group;
+        ssd_head_update(st + (sl[s] * H + h) * P * N, xp + (s * H + h) * P, dtp[s * H + h], Ap[h],
+                        Bp + (s * G + g) * N, Cp + (s * G + g) * N, Dp ? Dp + h : nullptr, P, N,
+                        yp + (s * H + h) * P);
+      }
+    });
   });
   return y;
 }
@@ -78,8 +121,9 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
                              torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
                              c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
                              double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups) {
-  TORCH_CHECK(ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous() && ssm_state.dim() == 4,
-              "mamba2_decode_: float32 contiguous ssm states [slots, H, P, N]");
+  TORCH_CHECK((ssm_state.scalar_type() == at::kFloat || ssm_state.scalar_type() == at::kBFloat16) &&
+                  ssm_state.is_contiguous() && ssm_state.dim() == 4,
+              "mamba2_decode_: contiguous float32 or bfloat16 ssm states [slots, H, P, N]");
   const int64_t H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3), G = n_groups;
   TORCH_CHECK(G > 0 && H % G == 0 && xbc.dim() == 2 && xbc.size(1) == H * P + 2 * G * N && dt.dim() == 2 &&
                   dt.size(0) == xbc.size(0) && dt.size(1) == H && A.numel() == H,
@@ -92,19 +136,21 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
   if (D.has_value() && D->defined()) Dv = f32(*D);
   const int64_t S = xbc.size(0), conv_dim = xbc.size(1), inner = H * P;
   auto y = torch::empty({S, H, P}, conv_out.options());
-  float* st = ssm_state.data_ptr<float>();
   const float *cp = conv_out.data_ptr<float>(), *dtp = steps.data_ptr<float>(), *Ap = A.data_ptr<float>();
   const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
   const int64_t heads_per_group = H / G;
-  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / H, h = task % H, g = h / heads_per_group;
-      const float* row = cp + s * conv_dim;  // [x (H*P) | B (G*N) | C (G*N)]
-      ssd_head_update(st + (sl[s] * H + h) * P * N, row + h * P, dtp[s * H + h], Ap[h], row + inner + g * N,
-                      row + inner + G * N + g * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, ssm_state.scalar_type(), "mamba2_decode_", [&] {
+    scalar_t* st = ssm_state.data_ptr<scalar_t>();
+    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / H, h = task % H, g = h / heads_per_group;
+        const float* row = cp + s * conv_dim;  // [x (H*P) | B (G*N) | C (G*N)]
+        ssd_head_update(st + (sl[s] * H + h) * P * N, row + h * P, dtp[s * H + h], Ap[h], row + inner + g * N,
+                        row + inner + G * N + g * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
+      }
+    });
   });
   return y;
 }

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--mamba-cache-mode", default=None, choices=["none", "all", "align"])
+    p.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="dtype of Mamba2-style SSM states (auto: the model's); bfloat16 halves their memory traffic")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -27,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["dtype", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-            "block_size", "enable_prefix_caching", "mamba_cache_mode", "device", "enforce_eager",
+            "block_size", "enable_prefix_caching", "mamba_cache_mode", "mamba_ssm_cache_dtype", "device", "enforce_eager",
             "kv_cache_memory_bytes", "tokenizer", "skip_tokenizer_init"]
     return {k: getattr(args, k) for k in keys}
 

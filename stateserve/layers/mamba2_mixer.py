@@ -4,7 +4,8 @@ Parameter names follow transformers' Mamba2Mixer (in_proj, conv1d, dt_bias, A_lo
 model maps checkpoint tensors 1:1. Data flow for T tokens:
     in_proj -> [gate z | x B C | dt]; causal depthwise conv + activation over (x B C); dt = clamp(softplus(dt +
     dt_bias), time_step_limit); SSD scan (layers/ssd.py) with D skip; gated RMSNorm(y, z); out_proj.
-State per sequence: conv [conv_dim, conv_kernel-1] (model dtype) and ssm [num_heads, head_dim, state_size] (float32).
+State per sequence: conv [conv_dim, conv_kernel-1] (model dtype) and ssm [num_heads, head_dim, state_size] (float32,
+or bfloat16 with the engine's mamba_ssm_cache_dtype; the arithmetic stays float32).
 
 Hooks for the hybrids that reuse this mixer (all read by transformers in the same place as here):
 - Bamba, GraniteMoeHybrid: same arithmetic; in/out bias = mamba_proj_bias, conv bias = mamba_conv_bias,
@@ -106,6 +107,7 @@ class Mamba2Mixer(StatefulLayer):
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
         self.clamp_dt_on_decode = clamp_dt_on_decode
         self.dtype = dtype
+        self.ssm_state_dtype = torch.float32  # see set_ssm_state_dtype
 
         self.in_proj = nn.Linear(hidden_size, inner + self.conv_dim + num_heads, bias=use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
@@ -139,7 +141,14 @@ class Mamba2Mixer(StatefulLayer):
     def cache_spec(self) -> StateSpec:
         return StateSpec.of({"conv": (self.conv_dim, self.conv_kernel - 1),
                              "ssm": (self.num_heads, self.head_dim, self.state_size)},
-                            {"conv": self.dtype, "ssm": torch.float32})
+                            {"conv": self.dtype, "ssm": self.ssm_state_dtype})
+
+    def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
+        """bfloat16 states halve the bytes a decode step reads and writes (in batched decode they outweigh the
+        weights); every update still computes in float32 and rounds only what it stores."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # float16: the PyTorch (CUDA) path only
+            raise ValueError(f"mamba_ssm_cache_dtype: Mamba2 states can be float32, bfloat16 or float16, not {dtype}")
+        self.ssm_state_dtype = dtype
 
     # ---- shared pieces -------------------------------------------------------------------------
     def _conv_weight(self) -> torch.Tensor:
@@ -213,7 +222,7 @@ class Mamba2Mixer(StatefulLayer):
                                                      conv_states[slot] if has_initial else None, fuse_silu)
             x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
             out[start:end], state_after = self._scan(x, dt[start:end], A, B, C,
-                                                     ssm_states[slot] if has_initial else None,
+                                                     ssm_states[slot].float() if has_initial else None,
                                                      sorted({off for off, _ in snapshots} | {qlen}))
             for off, dst in snapshots:
                 conv_states[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
@@ -256,7 +265,8 @@ class Mamba2Mixer(StatefulLayer):
             ssm_states.index_fill_(0, idx, 0)
         fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
-        if kernels is not None and fuse_silu and ssm_states.dtype == torch.float32 and conv_states.is_contiguous() \
+        if kernels is not None and fuse_silu and ssm_states.dtype in (torch.float32, torch.bfloat16) \
+                and conv_states.is_contiguous() \
                 and xbc.dtype == conv_states.dtype == self.conv1d.weight.dtype and dt.dtype == xbc.dtype \
                 and dt.dtype in (torch.float32, torch.bfloat16):
             # conv, step sizes and state update in one call: the same kernels as below, ~40 us less a layer
@@ -279,11 +289,11 @@ class Mamba2Mixer(StatefulLayer):
         x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
-        if kernels is not None and ssm_states.dtype == torch.float32:
+        if kernels is not None and ssm_states.dtype in (torch.float32, torch.bfloat16):
             y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, self.D)  # in place, [S', H, P]
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
-            ssm_states.index_copy_(0, slots, new_state)
+            ssm_states.index_copy_(0, slots, new_state.to(ssm_states.dtype))
         return y
 
     def _copy_decode_checkpoints(self, meta: StateMetadata, seqs: list[int], slots: torch.Tensor) -> None:

@@ -46,6 +46,12 @@ class StatefulLayer(nn.Module):
     def cache_spec(self) -> StateSpec:
         raise NotImplementedError
 
+    def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the SSM state in `dtype` (engine option mamba_ssm_cache_dtype). Layers whose kernels only take
+        float32 states refuse, naming themselves."""
+        raise ValueError(f"mamba_ssm_cache_dtype={str(dtype).removeprefix('torch.')}: {type(self).__name__} keeps "
+                         f"its state in float32 (only Mamba2-style mixers support another dtype)")
+
     def bind_cache(self, states: dict[str, torch.Tensor] | None) -> None:
         self.states = states
 

@@ -119,12 +119,23 @@ class ModelRunner:
             load_weights(model, iterate_safetensors(self.model_config.path, show_progress))
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
+        self._apply_ssm_state_dtype()
         used = self._allocated_bytes() - before
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("Model loading took %.4f GiB memory and %.2f seconds", used / GiB, time.perf_counter() - start)
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
         self.profile_activations()
+
+    def _apply_ssm_state_dtype(self) -> None:
+        """mamba_ssm_cache_dtype: each recurrent layer keeps its SSM state in that dtype or refuses (ValueError)."""
+        choice = self.engine_config.mamba_ssm_cache_dtype
+        dtype = self.model_config.dtype if choice == "auto" else getattr(torch, choice)
+        if dtype == torch.float32:
+            return
+        for m in self.model.modules():
+            if isinstance(m, StatefulLayer):
+                m.set_ssm_state_dtype(dtype)
 
     def _allocated_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
