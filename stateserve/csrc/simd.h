@@ -1,9 +1,29 @@
-// AVX-512 helpers shared by the kernels: lane conversions and a vector exp. Only for files compiled with
-// __AVX512F__ defined; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
+// Helpers shared by the kernels: a scalar SSD row update, and (only with __AVX512F__ defined) lane conversions
+// and a vector exp; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
 #pragma once
+#include <torch/extension.h>
+
+namespace stateserve_simd {
+
+// One SSD (Mamba2) state row: row[n] <- row[n] * decay + dx * b[n]; returns sum_n new[n] * c[n] over the
+// unrounded new values. S = float or a 16-bit type (the stored row is rounded). The scalar form every SSD kernel
+// falls back to; the compiler vectorises it for float rows.
+template <typename S>
+inline float ssd_row_update(S* row, float decay, float dx, const float* b, const float* c, int64_t N) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t n = 0; n < N; ++n) {
+    const float v = static_cast<float>(row[n]) * decay + dx * b[n];
+    row[n] = static_cast<S>(v);
+    acc += v * c[n];
+  }
+  return acc;
+}
+
+}  // namespace stateserve_simd
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <torch/extension.h>
 
 namespace stateserve_simd {
 

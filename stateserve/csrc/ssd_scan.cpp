@@ -140,14 +140,7 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
         for (int64_t r = 0; r < rows; ++r) {
           const float xv = xt[r];
           const float dx = xv * d;
-          float* row = block + r * N;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t n = 0; n < N; ++n) {
-            const float v = row[n] * decay + dx * b[n];
-            row[n] = v;
-            acc += v * c[n];
-          }
+          const float acc = stateserve_simd::ssd_row_update(block + r * N, decay, dx, b, c, N);
           yt[r] = Dp ? acc + skip * xv : acc;
         }
         if (want[t + 1] >= 0)

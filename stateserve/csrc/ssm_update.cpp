@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include "simd.h"
 
 namespace {
@@ -25,58 +26,49 @@ namespace {
 template <typename S>
 inline void ssd_head_update(S* state, const float* x, float dt, float A, const float* b, const float* c,
                             const float* D, int64_t P, int64_t N, float* y) {
+#if defined(__AVX512F__)
+  // bfloat16 rows with N a multiple of 16: explicit vectors (the scalar loop does not vectorise the bfloat16
+  // conversions), rows widened on load and rounded to nearest even on store.
+  if constexpr (std::is_same_v<S, at::BFloat16>) {
+    if (N % 16 == 0) {
+      using namespace stateserve_simd;
+      const __m512 decay = _mm512_set1_ps(std::exp(dt * A));
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512 dx = _mm512_set1_ps(x[p] * dt);
+        S* row = state + p * N;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t n = 0; n < N; n += 16) {
+          const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
+          store16(row + n, v);
+          acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), acc);
+        }
+        const float sum = _mm512_reduce_add_ps(acc);
+        y[p] = D ? sum + *D * x[p] : sum;
+      }
+      return;
+    }
+  }
+#endif
   const float decay = std::exp(dt * A);
   for (int64_t p = 0; p < P; ++p) {
-    const float xv = x[p];
-    const float dx = xv * dt;
-    S* row = state + p * N;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t n = 0; n < N; ++n) {
-      const float v = static_cast<float>(row[n]) * decay + dx * b[n];
-      row[n] = static_cast<S>(v);
-      acc += v * c[n];
-    }
-    y[p] = D ? acc + *D * xv : acc;
+    const float acc = stateserve_simd::ssd_row_update(state + p * N, decay, x[p] * dt, b, c, N);
+    y[p] = D ? acc + *D * x[p] : acc;
   }
 }
 
-#if defined(__AVX512F__)
-// bfloat16 states, N a multiple of 16: the same update with explicit vectors (the generic loop above does not
-// vectorise the bfloat16 conversions), state rows widened on load and rounded to nearest even on store.
-template <>
-inline void ssd_head_update<at::BFloat16>(at::BFloat16* state, const float* x, float dt, float A, const float* b,
-                                          const float* c, const float* D, int64_t P, int64_t N, float* y) {
-  using namespace stateserve_simd;
-  if (N % 16 != 0) {
-    const float decay = std::exp(dt * A);
-    for (int64_t p = 0; p < P; ++p) {
-      at::BFloat16* row = state + p * N;
-      float acc = 0.f;
-      for (int64_t n = 0; n < N; ++n) {
-        const float v = static_cast<float>(row[n]) * decay + x[p] * dt * b[n];
-        row[n] = static_cast<at::BFloat16>(v);
-        acc += v * c[n];
-      }
-      y[p] = D ? acc + *D * x[p] : acc;
-    }
-    return;
-  }
-  const __m512 decay = _mm512_set1_ps(std::exp(dt * A));
-  for (int64_t p = 0; p < P; ++p) {
-    const __m512 dx = _mm512_set1_ps(x[p] * dt);
-    at::BFloat16* row = state + p * N;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t n = 0; n < N; n += 16) {
-      const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
-      store16(row + n, v);
-      acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), acc);
-    }
-    const float sum = _mm512_reduce_add_ps(acc);
-    y[p] = D ? sum + *D * x[p] : sum;
-  }
+// Runs body(states_ptr, s, h, g) for every sequence s and head h (g: the head's group) in parallel, with the
+// states' element type (float32 or bfloat16) dispatched once.
+template <typename Body>
+void for_each_sequence_head(const torch::Tensor& states, int64_t S, int64_t H, int64_t G, const Body& body) {
+  const int64_t heads_per_group = H / G;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, states.scalar_type(), "ssd_heads", [&] {
+    scalar_t* st = states.data_ptr<scalar_t>();
+    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task)
+        body(st, task / H, task % H, (task % H) / heads_per_group);
+    });
+  });
 }
-#endif
 }  // namespace
 
 // Mamba2 / SSD. states: [num_slots, H, P, N] float32; slots: [S] int64; x: [S, H, P], dt: [S, H] (after
@@ -97,17 +89,9 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
   const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t heads_per_group = H / G;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, states.scalar_type(), "ssd_state_update_", [&] {
-    scalar_t* st = states.data_ptr<scalar_t>();
-    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / H, h = task % H, g = h / heads_per_group;
-        ssd_head_update(st + (sl[s] * H + h) * P * N, xp + (s * H + h) * P, dtp[s * H + h], Ap[h],
-                        Bp + (s * G + g) * N, Cp + (s * G + g) * N, Dp ? Dp + h : nullptr, P, N,
-                        yp + (s * H + h) * P);
-      }
-    });
+  for_each_sequence_head(states, S, H, G, [&](auto* st, int64_t s, int64_t h, int64_t g) {
+    ssd_head_update(st + (sl[s] * H + h) * P * N, xp + (s * H + h) * P, dtp[s * H + h], Ap[h],
+                    Bp + (s * G + g) * N, Cp + (s * G + g) * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
   });
   return y;
 }
@@ -140,17 +124,10 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
   const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t heads_per_group = H / G;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, ssm_state.scalar_type(), "mamba2_decode_", [&] {
-    scalar_t* st = ssm_state.data_ptr<scalar_t>();
-    at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / H, h = task % H, g = h / heads_per_group;
-        const float* row = cp + s * conv_dim;  // [x (H*P) | B (G*N) | C (G*N)]
-        ssd_head_update(st + (sl[s] * H + h) * P * N, row + h * P, dtp[s * H + h], Ap[h], row + inner + g * N,
-                        row + inner + G * N + g * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
-      }
-    });
+  for_each_sequence_head(ssm_state, S, H, G, [&](auto* st, int64_t s, int64_t h, int64_t g) {
+    const float* row = cp + s * conv_dim;  // [x (H*P) | B (G*N) | C (G*N)]
+    ssd_head_update(st + (sl[s] * H + h) * P * N, row + h * P, dtp[s * H + h], Ap[h], row + inner + g * N,
+                    row + inner + G * N + g * N, Dp ? Dp + h : nullptr, P, N, yp + (s * H + h) * P);
   });
   return y;
 }
