@@ -28,15 +28,16 @@ def _close(a, b, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, no_kernels):
+@pytest.mark.parametrize("N", [16, 12, 40])  # unrolled 16-state path, the bounded loop (<= 32), the scalar loop
+def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, N, no_kernels):
     g = torch.Generator().manual_seed(1)
-    L, D, N = 37, 40, 16  # D not a multiple of 16: a partial lane block
+    L, D = 70, 40  # D not a multiple of 16: a partial lane block; L spans three of the kernel's 32-token steps
     u = torch.randn(L, D, generator=g).to(dtype)
     dt = (torch.rand(L, D, generator=g) * 0.5 + 0.01).to(dtype)
     A = -torch.rand(D, N, generator=g) * 2
     B, C = torch.randn(L, N, generator=g).to(dtype), torch.randn(L, N, generator=g).to(dtype)
     h0 = torch.randn(D, N, generator=g)
-    offsets = [1, 16, 17, 37]
+    offsets = [1, 16, 17, 33, 70]
     no_kernels(False)
     ref_y, ref_h, ref_s = selective_scan_prefill(u, dt, A, B, C, h0, offsets, chunk_size=8)
     no_kernels(True)
@@ -47,7 +48,7 @@ def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, no_kernels):
     assert sorted(snaps) == offsets
     for off in offsets:
         _close(snaps[off], ref_s[off], 1e-5)
-    assert torch.equal(snaps[37], h)
+    assert torch.equal(snaps[70], h)
     # h0 is an input, not updated in place
     y2, _, _ = selective_scan_prefill(u, dt, A, B, C, h0, offsets)
     assert torch.equal(y, y2)

@@ -17,6 +17,50 @@ using stateserve_simd::exp_ps;
 
 using stateserve_simd::round_bf16_ps;
 
+// Tokens t0 .. t1-1 of one block of up to 16 channels (lane j = channel d0 + j). The block's state is kept
+// transposed, state[n] = h[d0 .. d0+15, n], and a[n] likewise holds A. MaxN is a compile-time bound so the loops
+// over n unroll and the states stay in registers; n_state (<= MaxN) is the model's d_state.
+template <int MaxN>
+inline void scan_block(int64_t d0, int64_t width, int64_t t0, int64_t t1, int64_t D, int64_t n_state,
+                       const float* up, const float* dtp, const __m512* a, const float* Bp, const float* Cp,
+                       __m512* state, float* yp, float* sp, const float* Dp, const float* gp, const int64_t* want,
+                       bool round_to_bf16) {
+  const int64_t N = n_state;
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
+  __m512 hv[MaxN];
+  for (int64_t n = 0; n < N; ++n) hv[n] = state[n];
+  const __m512 dskip = Dp ? _mm512_maskz_loadu_ps(mask, Dp + d0) : _mm512_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    const __m512 dtv = _mm512_maskz_loadu_ps(mask, dtp + t * D + d0);
+    const __m512 uv = _mm512_maskz_loadu_ps(mask, up + t * D + d0);
+    const float* bt = Bp + t * N;
+    const float* ct = Cp + t * N;
+    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 32
+    for (int n = 0; n < MaxN; ++n) {
+      if (MaxN != 16 && n >= N) break;
+      const __m512 decay = exp_ps(_mm512_mul_ps(dtv, a[n]));
+      const __m512 inp = _mm512_mul_ps(_mm512_mul_ps(dtv, _mm512_set1_ps(bt[n])), uv);  // (dt * B) * u
+      hv[n] = _mm512_fmadd_ps(decay, hv[n], inp);
+      const __m512 hr = round_to_bf16 ? round_bf16_ps(hv[n]) : hv[n];
+      acc = _mm512_fmadd_ps(hr, _mm512_set1_ps(ct[n]), acc);
+    }
+    if (round_to_bf16) acc = round_bf16_ps(acc);  // y = C . h comes out of a bf16 matmul
+    if (Dp) {
+      acc = _mm512_fmadd_ps(uv, dskip, acc);
+      acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(mask, gp + t * D + d0));
+    }
+    _mm512_mask_storeu_ps(yp + t * D + d0, mask, acc);
+    if (want[t + 1] >= 0) {
+      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(N)));
+      float* dst = sp + want[t + 1] * D * N;
+      for (int64_t n = 0; n < N; ++n) _mm512_mask_i32scatter_ps(dst + d0 * N + n, mask, idx, hv[n], 4);
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) state[n] = hv[n];
+}
+
 }  // namespace
 #endif
 
@@ -57,47 +101,43 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
   constexpr int64_t kLanes = 16;
   const int64_t num_blocks = (D + kLanes - 1) / kLanes;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if (N <= 32) {
+      // Time-major inputs: token t of a block is 64 bytes of a D-float row. Scanning one block over all tokens
+      // touches a new page per token and stream (no prefetch, a TLB miss each); instead every block of this
+      // thread advances kTokens tokens in turn, so the rows of those tokens are read across, from cache.
+      constexpr int64_t kTokens = 32;
+      const int64_t count = end - begin;
+      std::vector<__m512> states(count * N), as(count * N);  // [block][n], transposed: one lane per channel
+      const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(N)));
+      auto mask_of = [&](int64_t blk) {
+        return static_cast<__mmask16>((1u << std::min(kLanes, D - blk * kLanes)) - 1u);
+      };
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t d0 = (begin + i) * kLanes;
+        for (int64_t n = 0; n < N; ++n) {
+          states[i * N + n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask_of(begin + i), idx, hp + d0 * N + n, 4);
+          as[i * N + n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask_of(begin + i), idx, Ap + d0 * N + n, 4);
+        }
+      }
+      for (int64_t t0 = 0; t0 < L; t0 += kTokens) {
+        const int64_t t1 = std::min(L, t0 + kTokens);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t d0 = (begin + i) * kLanes, width = std::min(kLanes, D - d0);
+          const auto run = N == 16 ? scan_block<16> : scan_block<32>;
+          run(d0, width, t0, t1, D, N, up, dtp, &as[i * N], Bp, Cp, &states[i * N], yp, sp, Dp, gp, want.data(),
+              round_to_bf16);
+        }
+      }
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t n = 0; n < N; ++n)
+          _mm512_mask_i32scatter_ps(hp + (begin + i) * kLanes * N + n, mask_of(begin + i), idx, states[i * N + n], 4);
+      return;
+    }
+#endif
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t d0 = blk * kLanes, width = std::min(kLanes, D - d0);
-#if defined(__AVX512F__)
-      if (N <= 32) {
-        const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
-        // lane j holds channel d0 + j; the state is kept transposed: hv[n] = h[d0 .. d0+15, n]
-        __m512 hv[32], av[32];
-        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(static_cast<int>(N)));
-        for (int64_t n = 0; n < N; ++n) {
-          hv[n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, hp + d0 * N + n, 4);
-          av[n] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, idx, Ap + d0 * N + n, 4);
-        }
-        for (int64_t t = 0; t < L; ++t) {
-          const __m512 dtv = _mm512_maskz_loadu_ps(mask, dtp + t * D + d0);
-          const __m512 uv = _mm512_maskz_loadu_ps(mask, up + t * D + d0);
-          const float* bt = Bp + t * N;
-          const float* ct = Cp + t * N;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t n = 0; n < N; ++n) {
-            const __m512 decay = exp_ps(_mm512_mul_ps(dtv, av[n]));
-            const __m512 inp = _mm512_mul_ps(_mm512_mul_ps(dtv, _mm512_set1_ps(bt[n])), uv);  // (dt * B) * u
-            hv[n] = _mm512_fmadd_ps(decay, hv[n], inp);
-            const __m512 hr = round_to_bf16 ? round_bf16_ps(hv[n]) : hv[n];
-            acc = _mm512_fmadd_ps(hr, _mm512_set1_ps(ct[n]), acc);
-          }
-          if (round_to_bf16) acc = round_bf16_ps(acc);  // y = C . h comes out of a bf16 matmul
-          if (Dp) {
-            acc = _mm512_fmadd_ps(uv, _mm512_maskz_loadu_ps(mask, Dp + d0), acc);
-            acc = _mm512_mul_ps(acc, _mm512_maskz_loadu_ps(mask, gp + t * D + d0));
-          }
-          _mm512_mask_storeu_ps(yp + t * D + d0, mask, acc);
-          if (want[t + 1] >= 0) {
-            float* dst = sp + want[t + 1] * D * N;
-            for (int64_t n = 0; n < N; ++n) _mm512_mask_i32scatter_ps(dst + d0 * N + n, mask, idx, hv[n], 4);
-          }
-        }
-        for (int64_t n = 0; n < N; ++n) _mm512_mask_i32scatter_ps(hp + d0 * N + n, mask, idx, hv[n], 4);
-        continue;
-      }
-#endif
       // portable path: one channel at a time
       for (int64_t d = d0; d < d0 + width; ++d) {
         float* hd = hp + d * N;

@@ -16,6 +16,7 @@ import torch
 
 from stateserve import envs
 from stateserve.cache.block_pool import BlockPool, SlotPool
+from stateserve.cache import huge_pages
 from stateserve.cache.spec import KVCacheSpec, StateSpec
 from stateserve.cache.storage import CachePlan, CacheStorage, plan_caches
 from stateserve.config import EngineConfig, ModelConfig
@@ -120,6 +121,8 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         self._apply_ssm_state_dtype()
+        if self.device.type == "cpu":
+            huge_pages.move_parameters(self.model)
         used = self._allocated_bytes() - before
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,81 @@
+"""Model weights on transparent huge pages (2 MiB) instead of 4 KiB pages, on CPU.
+
+Decode streams every weight once per step; on 4 KiB pages that is a TLB miss every 64 cache lines. Linux gives
+huge pages only to anonymous private memory advised with MADV_HUGEPAGE (THP mode "madvise", the usual default),
+which PyTorch's allocator does not ask for, so after loading the weights are copied into one such mapping.
+Measured on the benchmark machine (A/B, alternating processes): one-request decode of Llama-base float32 +4%,
+serving unchanged. The caches stay on ordinary pages: KV blocks and state slots on huge pages made serving 8-25%
+slower (pages are first touched mid-run, where the kernel may compact memory to find a huge page).
+STATESERVE_HUGE_PAGES=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+from stateserve import envs
+
+logger = logging.getLogger("stateserve")
+
+HUGE_PAGE = 2 << 20
+_MIN_BYTES = 1 << 20  # small tensors (norms, biases) gain nothing
+
+
+def available() -> bool:
+    return bool(envs.STATESERVE_HUGE_PAGES) and hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def _arena(nbytes: int) -> torch.Tensor | None:
+    """A zero-filled uint8 tensor of `nbytes` starting on a huge-page boundary, or None when unavailable. The
+    mapping lives as long as any tensor viewing it (torch.frombuffer keeps the mmap object alive)."""
+    if not available():
+        return None
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError) as e:
+        logger.debug("huge pages unavailable: %s", e)
+        return None
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % HUGE_PAGE
+    return flat[start:start + nbytes]
+
+
+def move_parameters(model: nn.Module) -> int:
+    """Moves the model's large CPU parameters and buffers into one huge-page arena (tensors shared between
+    modules, such as tied embeddings, stay shared). Returns the bytes moved (0 when unavailable)."""
+    tensors: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # data_ptr -> (module, name, is_parameter)
+    originals: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for is_param, named in ((True, module._parameters), (False, module._buffers)):
+            for name, t in named.items():
+                if t is None or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+                    continue
+                nbytes = t.numel() * t.element_size()
+                if nbytes < _MIN_BYTES:
+                    continue
+                tensors.setdefault(t.data_ptr(), []).append((module, name, is_param))
+                originals[t.data_ptr()] = t
+    if not tensors or not available():
+        return 0
+    offsets, total = {}, 0
+    for ptr, t in originals.items():
+        offsets[ptr] = total
+        total += (t.numel() * t.element_size() + 63) // 64 * 64  # 64-byte aligned, as the allocator would
+    arena = _arena(total)
+    if arena is None:
+        return 0
+    for ptr, users in tensors.items():
+        t = originals[ptr]
+        nbytes = t.numel() * t.element_size()
+        moved = arena[offsets[ptr]:offsets[ptr] + nbytes].view(t.dtype).view(t.shape)
+        moved.copy_(t)
+        for module, name, is_param in users:
+            if is_param:
+                module._parameters[name].data = moved
+            else:
+                module._buffers[name] = moved
+    return total

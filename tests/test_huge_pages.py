@@ -1,0 +1,71 @@
+"""Weights moved onto a huge-page arena after loading: same values and outputs, tied tensors still shared, small
+tensors left alone, nothing moved when switched off, and the mapping gone once the model is."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from stateserve import envs
+from stateserve.cache import huge_pages
+
+pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="no madvise(MADV_HUGEPAGE) here")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)  # 2 MiB
+        self.proj = nn.Linear(512, 1024)  # 2 MiB weight, 4 KiB bias (left where it is)
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("table", torch.randn(600, 512))  # 1.2 MiB buffer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids) + self.table[ids]
+        return self.head(torch.tanh(self.proj(h)[..., :512]))
+
+
+def _mapped(ptr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_weights_move_into_one_aligned_arena_and_outputs_stay():
+    torch.manual_seed(0)
+    model = Tiny().requires_grad_(False)
+    ids = torch.tensor([1, 5, 599, 3])
+    expected = model(ids)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    bias_ptr = model.proj.bias.data_ptr()
+    moved = huge_pages.move_parameters(model)
+    assert moved >= 2 * (2 << 20) + 600 * 512 * 4
+    ptrs = [model.embed.weight.data_ptr(), model.proj.weight.data_ptr(), model.table.data_ptr()]
+    assert min(ptrs) % huge_pages.HUGE_PAGE == 0  # the arena starts on a huge page
+    assert max(ptrs) - min(ptrs) < moved  # all in one arena
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()  # still tied
+    assert model.proj.bias.data_ptr() == bias_ptr  # too small to move
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    assert torch.equal(model(ids), expected)
+
+    arena_ptr = min(ptrs)
+    assert _mapped(arena_ptr)
+    del model, t
+    gc.collect()
+    assert not _mapped(arena_ptr)  # freeing the model unmaps the arena
+
+
+def test_switched_off_moves_nothing(monkeypatch):
+    monkeypatch.setenv("STATESERVE_HUGE_PAGES", "0")
+    envs.disable_envs_cache()
+    model = Tiny().requires_grad_(False)
+    ptr = model.proj.weight.data_ptr()
+    assert huge_pages.move_parameters(model) == 0
+    assert model.proj.weight.data_ptr() == ptr
