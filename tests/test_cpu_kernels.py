@@ -101,6 +101,26 @@ def test_mamba2_state_update_in_place_at_slots():
     assert torch.equal(states[[0, 2, 4]], untouched[[0, 2, 4]])
 
 
+@pytest.mark.parametrize("P,N", [(16, 64), (8, 128), (6, 24)])  # register paths (4 and 2 rows a pass), scalar loop
+def test_mamba2_prefill_scan_matches_chunked_ssd_with_snapshots(P, N):
+    """The sequential SSD kernel against the chunked PyTorch form, over more tokens than one of the kernel's
+    32-token steps, resuming from a state, with snapshots inside and at the ends of those steps."""
+    g = torch.Generator().manual_seed(5)
+    L, H, G = 75, 4, 2
+    x, dt = torch.randn(L, H, P, generator=g), torch.rand(L, H, generator=g) * 0.5
+    A, D = -torch.rand(H, generator=g), torch.randn(H, generator=g)
+    B, C = torch.randn(L, G, N, generator=g), torch.randn(L, G, N, generator=g)
+    h0 = torch.randn(H, P, N, generator=g)
+    offsets = [1, 32, 40, 64]
+    y, final, snaps = kernels.ssd_scan_fwd(x, dt, A, B, C, D, h0, offsets)
+    ref_y, ref_final = ssd_chunk_scan(x, dt, A, B, C, 16, D, h0)
+    _close(y, ref_y, 1e-4)
+    _close(final, ref_final, 1e-4)
+    for j, off in enumerate(offsets):
+        _, ref_state = ssd_chunk_scan(x[:off], dt[:off], A, B[:off], C[:off], 16, D, h0)
+        _close(snaps[j], ref_state, 1e-4)
+
+
 @pytest.mark.parametrize("dtype,float_accumulate", [(torch.float32, False), (torch.bfloat16, False),
                                                      (torch.bfloat16, True)])
 def test_conv_update_matches_pytorch(dtype, float_accumulate, no_kernels):

@@ -15,18 +15,18 @@
 #if defined(__AVX512F__)
 
 namespace {
-// kRows rows of one head, N = 16 * kVecs, with the state in registers for the whole chunk. Per token only B_t,
-// C_t and x_t are loaded; the loop-carried dependency is one FMA per state vector.
+// kRows rows of one head over tokens t0 .. t1-1, N = 16 * kVecs, with the state in registers. Per token only
+// B_t, C_t and x_t are loaded; the loop-carried dependency is one FMA per state vector.
 template <int kVecs, int kRows>
 void scan_rows_in_registers(float* state, const float* xp, const float* dtp, const float* decays, const float* Bp,
                             const float* Cp,
-                            float* yp, float* snaps, const int64_t* want, int64_t L, int64_t H, int64_t G,
-                            int64_t P, int64_t h, int64_t g, int64_t p0, const float* skip) {
+                            float* yp, float* snaps, const int64_t* want, int64_t t0, int64_t t1, int64_t H,
+                            int64_t G, int64_t P, int64_t h, int64_t g, int64_t p0, const float* skip) {
   constexpr int64_t N = 16 * kVecs;
   __m512 s[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
     for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_loadu_ps(state + r * N + 16 * v);
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const float d = dtp[t * H + h];
     const __m512 decay = _mm512_set1_ps(decays[t * H + h]);
     const float* b = Bp + (t * G + g) * N;
@@ -117,15 +117,21 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
 #if defined(__AVX512F__)
       // 16 state vectors in registers per call, leaving room for B_t, C_t and the accumulators.
       if ((N == 16 || N == 32 || N == 64 || N == 128) && rows % (256 / N) == 0) {
+        // Token rows of x and y are H * P floats apart (a new page per token): the row groups of the block take
+        // kTokens tokens in turn, so the pages of those tokens are reused by every group while they are hot.
+        constexpr int64_t kTokens = 32;
         const int64_t step = 256 / N;
-        for (int64_t r0 = 0; r0 < rows; r0 += step) {
-          float* st = block + r0 * N;
-          const auto args = std::make_tuple(st, xp, dtp, dcp, Bp, Cp, yp, snp, want.data(), L, H, G, P, h, g, p0 + r0,
-                                            Dp ? &skip : nullptr);
-          if (N == 16) std::apply(scan_rows_in_registers<1, 16>, args);
-          else if (N == 32) std::apply(scan_rows_in_registers<2, 8>, args);
-          else if (N == 64) std::apply(scan_rows_in_registers<4, 4>, args);
-          else std::apply(scan_rows_in_registers<8, 2>, args);
+        for (int64_t t0 = 0; t0 < L; t0 += kTokens) {
+          const int64_t t1 = std::min(L, t0 + kTokens);
+          for (int64_t r0 = 0; r0 < rows; r0 += step) {
+            float* st = block + r0 * N;
+            const auto args = std::make_tuple(st, xp, dtp, dcp, Bp, Cp, yp, snp, want.data(), t0, t1, H, G, P, h, g,
+                                              p0 + r0, Dp ? &skip : nullptr);
+            if (N == 16) std::apply(scan_rows_in_registers<1, 16>, args);
+            else if (N == 32) std::apply(scan_rows_in_registers<2, 8>, args);
+            else if (N == 64) std::apply(scan_rows_in_registers<4, 4>, args);
+            else std::apply(scan_rows_in_registers<8, 2>, args);
+          }
         }
         continue;
       }
