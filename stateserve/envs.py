@@ -36,6 +36,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
     "STATESERVE_CPU_KERNELS": EnvVar(_bool, True, "Use the C++ CPU kernels (built on first use) where they exist."),
     "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
+    "STATESERVE_ONEDNN_PREPACK": EnvVar(_bool, True, "Keep a copy of CPU linear weights in oneDNN's blocked "
+                                                     "layout for batched products (skipped when memory is short)."),
     "STATESERVE_HUGE_PAGES": EnvVar(_bool, True, "Put CPU weights and caches on transparent huge pages "
                                                  "(madvise) where Linux offers them."),
 }

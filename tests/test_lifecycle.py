@@ -196,3 +196,37 @@ def test_cpu_budget_subtracts_activations(llama_path, monkeypatch):
         finally:
             monkeypatch.delenv("STATESERVE_CPU_KV_CACHE_SPACE")
             envs.disable_envs_cache()
+
+
+@pytest.mark.parametrize("setting,free_bytes,expect_packed", [("1", None, True), ("0", None, False),
+                                                             ("1", 1024, False)])
+def test_onednn_prepack_switch_and_memory_guard(llama_path, monkeypatch, caplog, setting, free_bytes,
+                                                expect_packed):
+    """Linear weights get a oneDNN blocked copy by default; STATESERVE_ONEDNN_PREPACK=0 or too little free memory
+    (the copy over a quarter of it) leaves them plain, saying why. Greedy tokens are the same either way."""
+    from stateserve.layers import linear
+    from stateserve.runner import model_runner
+
+    if linear._onednn_linear() is None:
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setenv("STATESERVE_ONEDNN_PREPACK", setting)
+    envs.disable_envs_cache()
+    if free_bytes is not None:
+        monkeypatch.setattr(model_runner, "_available_host_memory", lambda: free_bytes)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(50, 60))}]
+    with caplog.at_level(logging.INFO, logger="stateserve"):
+        llm = LLM(llama_path, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
+    try:
+        linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, linear.FastLinear)]
+        assert linears and all((m.packed is not None) == expect_packed for m in linears)
+        if free_bytes is not None:
+            assert "prepack skipped" in caplog.text
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("STATESERVE_ONEDNN_PREPACK", "0")
+    envs.disable_envs_cache()
+    with LLM(llama_path, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20) as plain:
+        assert [list(o.outputs[0].token_ids) for o in plain.generate(prompts, SamplingParams(max_tokens=6,
+                                                                                            temperature=0))] == tokens
