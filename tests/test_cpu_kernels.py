@@ -54,6 +54,30 @@ def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, N, no_kernels):
     assert torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [16, 40])
+def test_mamba1_gated_scan_reads_model_dtype_in_place(dtype, N, no_kernels):
+    """With the block's D skip and gate fused, the kernel reads u, dt and z in the model dtype (z a column slice
+    of [x | z], as the mixer passes it) and writes (y + u D) * silu(z) in that dtype, as the PyTorch path does."""
+    g = torch.Generator().manual_seed(6)
+    L, D = 45, 40
+    xz = torch.randn(L, 2 * D, generator=g).to(dtype)
+    u, z = xz[:, :D].contiguous(), xz[:, D:]  # z: row stride 2D
+    dt = (torch.rand(L, D, generator=g) * 0.5 + 0.01).to(dtype)
+    A = -torch.rand(D, N, generator=g) * 2
+    B, C = torch.randn(L, N, generator=g).to(dtype), torch.randn(L, N, generator=g).to(dtype)
+    Dskip, h0 = torch.randn(D, generator=g).to(dtype), torch.randn(D, N, generator=g)
+    no_kernels(False)
+    ref_y, ref_h, _ = selective_scan_prefill(u, dt, A, B, C, h0, [], chunk_size=8, D=Dskip, z=z)
+    no_kernels(True)
+    y, h, _ = selective_scan_prefill(u, dt, A, B, C, h0, [], D=Dskip, z=z)
+    assert y.dtype == ref_y.dtype == dtype
+    _close(y, ref_y, 1e-5 if dtype == torch.float32 else 3e-2)
+    _close(h, ref_h, 1e-5)
+    ungated, _, _ = selective_scan_prefill(u, dt, A, B, C, h0, [])
+    assert (ungated.float() - y.float()).abs().max() > 0.1  # the gate is applied
+
+
 def test_mamba1_scan_breaks_when_state_is_not_carried(no_kernels):
     """Sanity of the comparison itself: dropping the initial state must show up."""
     g = torch.Generator().manual_seed(2)

@@ -27,8 +27,8 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
                              double eps, bool norm_before_gate);
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
-                                              std::vector<int64_t> offsets, bool round_to_bf16,
-                                              c10::optional<torch::Tensor> D, c10::optional<torch::Tensor> gate);
+                                              std::vector<int64_t> offsets, c10::optional<torch::Tensor> D,
+                                              c10::optional<torch::Tensor> z);
 std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                         torch::Tensor C, c10::optional<torch::Tensor> D,
                                         c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets);

@@ -83,6 +83,22 @@ inline void store16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define STATESERVE_SIMD_MASKED_16BIT 1
+// The first lanes of `m` from p (the rest 0), widened to float32; and the matching masked stores (bfloat16: rounded
+// to nearest even). For row tails narrower than 16.
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const at::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(at::BFloat16* p, __mmask16 m, __m512 v) {
+  const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
 // The 16 horizontal sums of v[0..15] as the lanes of one vector (lane i = sum of v[i]): a transpose-and-add tree
 // of 45 shuffles/adds instead of 16 separate reductions (~8 dependent ops each).
 inline __m512 reduce16_ps(const __m512* v) {

@@ -58,25 +58,25 @@ def _inclusive_scan_(decay: torch.Tensor, inputs: torch.Tensor) -> None:
 def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                            h0: torch.Tensor | None, snapshot_offsets: Sequence[int] = (),
                            chunk_size: int | None = None, D: torch.Tensor | None = None,
-                           gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+                           z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Selective scan of one sequence's chunk, resuming from state h0, chunk by chunk.
 
     u: [L, D] model dtype (conv output); dt: [L, D] after bias and softplus (used in float32); A: [D, N] float32;
     B, C: [L, N] model dtype; h0: [D, N] float32 or None (zeros).
     Returns y = C . h in u's dtype [L, D], the final state [D, N] float32 and the state after each requested
-    offset (1 <= offset <= L). With D [D] and gate [L, D] (silu(z)), y is (C . h + u * D) * gate in float32:
-    the block's skip and gate, fused into the scan on CPU. Only [Q, D, N] temporaries exist at any time."""
-    if (D is None) != (gate is None):
-        raise ValueError("selective_scan_prefill: D and gate come together")
+    offset (1 <= offset <= L). With D [D] and z [L, D] (the gate before its SiLU), y is (C . h + u * D) * silu(z)
+    in u's dtype: the block's skip and gate, fused into the scan on CPU. Only [Q, D, N] temporaries exist."""
+    if (D is None) != (z is None):
+        raise ValueError("selective_scan_prefill: D and z come together")
     L, d_inner = u.shape
     d_state = A.shape[1]
     kernels = cpu_kernels.load() if u.device.type == "cpu" else None
     if kernels is not None and u.dtype in (torch.float32, torch.bfloat16):
         offsets = sorted(set(snapshot_offsets))
-        # y's product with C rounds the state to u's dtype first, as the matmul below does
-        y32, h, snaps = kernels.selective_scan_fwd(u.float(), dt.float(), A.float(), B.float(), C.float(),
-                                                   h0, offsets, u.dtype == torch.bfloat16, D, gate)
-        return (y32 if D is not None else y32.to(u.dtype)), h, {off: snaps[i] for i, off in enumerate(offsets)}
+        # u, dt and z are read in place in u's dtype; y's product with C rounds the state to that dtype first, as
+        # the matmul below does
+        y, h, snaps = kernels.selective_scan_fwd(u, dt, A, B, C, h0, offsets, D, z)
+        return y.to(u.dtype), h, {off: snaps[i] for i, off in enumerate(offsets)}
     q = chunk_size or scan_chunk_size(d_inner, d_state)
     y = u.new_empty(L, d_inner)
     h = h0.float() if h0 is not None else A.new_zeros(d_inner, d_state)
@@ -98,7 +98,7 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
         h = states[-1].clone()
         del states
     if D is not None:
-        return (y + u * D.float()) * gate.float(), h, snapshots
+        y = ((y.float() + u.float() * D.float()) * F.silu(z).float()).to(u.dtype)
     return y, h, snapshots
 
 
@@ -203,14 +203,16 @@ class MambaMixer(StatefulLayer):
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i]]
         prefill = sorted(set(range(len(meta.query_lens))) - set(decode))
         slot_of = meta.slots.tolist()  # one host copy for the per-sequence loop
-        out = x.new_empty(x.shape[0], self.intermediate_size, dtype=torch.float32)  # [T, D]
+        if not decode and len(prefill) == 1:  # one prompt chunk fills the step: its output is the step's
+            return self.out_proj(self._prefill_one(u, z, meta, 0, slot_of[0]))
+        out = x.new_empty(x.shape[0], self.intermediate_size)  # [T, D]
         if decode:
             rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=x.device)
-            out.index_copy_(0, rows, self._decode(u[rows], z[rows], meta, decode).float())
+            out.index_copy_(0, rows, self._decode(u[rows], z[rows], meta, decode).to(out.dtype))
         for i in prefill:
             start, n = meta.query_start_loc[i], meta.query_lens[i]
             out[start:start + n] = self._prefill_one(u[start:start + n], z[start:start + n], meta, i, slot_of[i])
-        return self.out_proj(out.to(x.dtype))
+        return self.out_proj(out)
 
     # ---- decode: one token per sequence ---------------------------------------------------------
     def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
@@ -239,7 +241,7 @@ class MambaMixer(StatefulLayer):
     # ---- prefill: one sequence's chunk ----------------------------------------------------------
     def _prefill_one(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seq: int,
                      slot: int) -> torch.Tensor:
-        """u, z: [L, D] of one sequence; returns the gated SSM output [L, D] in float32."""
+        """u, z: [L, D] of one sequence; returns the gated SSM output [L, D] in the model dtype."""
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         resume = meta.has_initial_state[seq]
         L = u.shape[0]
@@ -254,11 +256,10 @@ class MambaMixer(StatefulLayer):
         dt = F.softplus(dt_raw + self.dt_proj.bias.to(dt_raw.dtype))  # [L, D] model dtype, as transformers
         A = self.neg_exp_A()  # [D, N]
         y, h_last, states_at = selective_scan_prefill(u, dt, A, B, C, ssm_state[slot] if resume else None,
-                                                      [off for off, _ in snaps], self.scan_chunk,
-                                                      D=self.D, gate=F.silu(z))
+                                                      [off for off, _ in snaps], self.scan_chunk, D=self.D, z=z)
         for off, dst in snaps:
             conv_state[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
             ssm_state[dst].copy_(states_at[off])
         conv_state[slot].copy_(conv_state_at(padded, L, self.conv_kernel))
         ssm_state[slot].copy_(h_last)
-        return y  # [L, D] float32: (C . h + u * D) * silu(z)
+        return y  # [L, D] in the model dtype: (C . h + u * D) * silu(z)
