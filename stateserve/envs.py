@@ -38,6 +38,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
     "STATESERVE_ONEDNN_PREPACK": EnvVar(_bool, True, "Keep a copy of CPU linear weights in oneDNN's blocked "
                                                      "layout for batched products (skipped when memory is short)."),
+    "STATESERVE_MALLOC_TUNING": EnvVar(_bool, True, "On CPU, keep large temporaries in glibc's heap instead of a "
+                                                    "fresh mmap each (raised mmap/trim thresholds)."),
     "STATESERVE_HUGE_PAGES": EnvVar(_bool, True, "Put CPU weights and caches on transparent huge pages "
                                                  "(madvise) where Linux offers them."),
 }

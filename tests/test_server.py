@@ -270,10 +270,20 @@ def test_load_32_streams_with_disconnects(srv):
 
 def test_non_streamed_client_timeout_aborts(srv):
     before = srv.call(lambda e: e.stats["generation_tokens"])
-    with pytest.raises(httpx2.TimeoutException):
-        httpx2.post(srv.base_url + "/v1/completions", timeout=0.3,
-                    json={"prompt": [4, 5], "max_tokens": 480, "ignore_eos": True})
-    srv.wait_idle(timeout=10)
+    real_step = srv.call(lambda e: e.step)
+
+    def slow_step():  # at most ~200 steps in a second, however fast the machine: the abort must cut the request
+        time.sleep(0.005)
+        return real_step()
+
+    srv.call(lambda e: setattr(e, "step", slow_step))
+    try:
+        with pytest.raises(httpx2.TimeoutException):
+            httpx2.post(srv.base_url + "/v1/completions", timeout=0.3,
+                        json={"prompt": [4, 5], "max_tokens": 480, "ignore_eos": True})
+        srv.wait_idle(timeout=10)
+    finally:
+        srv.call(lambda e: delattr(e, "step"))
     assert srv.call(lambda e: e.stats["generation_tokens"]) - before < 400
 
 

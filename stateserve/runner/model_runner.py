@@ -28,7 +28,7 @@ from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
 from stateserve.models.loader import init_dummy_weights, iterate_safetensors, load_weights
 from stateserve.models.registry import ModelRegistry
-from stateserve.runner import cuda_graphs
+from stateserve.runner import cuda_graphs, host_allocator
 from stateserve.runner.input_batch import InputBatch, build_input_batch
 from stateserve.runner.sampler import SampleResult, Sampler
 
@@ -107,6 +107,8 @@ class ModelRunner:
     # ---- loading -------------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
+        if self.device.type == "cpu":
+            host_allocator.tune()
         before = self._allocated_bytes()
         cls = ModelRegistry.resolve(self.model_config.architecture)
         torch.manual_seed(self.engine_config.seed)
@@ -231,6 +233,7 @@ class ModelRunner:
                 elif key in _cpu_profiles:
                     peak = _cpu_profiles[key]
                 else:
+                    host_allocator.release_free_memory()  # so the forward cannot reuse memory RSS already counts
                     with _PeakRssSampler() as sampler:
                         self._dummy_forward(num_tokens, seq_len)
                     peak = _cpu_profiles[key] = sampler.growth
@@ -391,3 +394,4 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        host_allocator.release_free_memory()
