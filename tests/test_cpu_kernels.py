@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stateserve.layers import cpu_kernels
 from stateserve.layers.norm import RMSNorm
@@ -76,6 +77,33 @@ def test_mamba1_gated_scan_reads_model_dtype_in_place(dtype, N, no_kernels):
     _close(h, ref_h, 1e-5)
     ungated, _, _ = selective_scan_prefill(u, dt, A, B, C, h0, [])
     assert (ungated.float() - y.float()).abs().max() > 0.1  # the gate is applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [16, 40])
+def test_mamba1_scan_takes_the_softplus_of_raw_steps(dtype, N, no_kernels):
+    """With dt_bias the kernel is given dt before bias and softplus (F.softplus(dt + bias) in the model dtype, its
+    threshold at 20 included), over raw values from very negative to past the threshold."""
+    g = torch.Generator().manual_seed(7)
+    L, D = 40, 40
+    u = torch.randn(L, D, generator=g).to(dtype)
+    dt_raw = (torch.randn(L, D, generator=g) * 6).to(dtype)
+    dt_raw[::7, ::5] = 23.0  # past the threshold: the step is the input itself
+    dt_raw[1::7, ::3] = -30.0  # a step of ~1e-13: only its relative precision keeps it
+    bias = (torch.randn(D, generator=g) * 0.5).to(dtype)
+    A = -torch.rand(D, N, generator=g) * 0.05  # long memory, so the big steps do not erase every state
+    B, C = torch.randn(L, N, generator=g).to(dtype), torch.randn(L, N, generator=g).to(dtype)
+    Dskip, z = torch.randn(D, generator=g).to(dtype), torch.randn(L, D, generator=g).to(dtype)
+    ref_y, ref_h, _ = selective_scan_prefill(u, F.softplus(dt_raw + bias), A, B, C, None, [], D=Dskip, z=z)
+    y, h, _ = selective_scan_prefill(u, dt_raw, A, B, C, None, [], D=Dskip, z=z, dt_bias=bias)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    _close(y, ref_y, tol)
+    _close(h, ref_h, 1e-4 if dtype == torch.float32 else 3e-2)
+    wrong, _, _ = selective_scan_prefill(u, dt_raw + bias, A, B, C, None, [], D=Dskip, z=z)  # no softplus
+    assert (wrong.float() - y.float()).abs().max() > 0.1
+    no_kernels(False)
+    fallback, _, _ = selective_scan_prefill(u, dt_raw, A, B, C, None, [], chunk_size=8, D=Dskip, z=z, dt_bias=bias)
+    _close(fallback, ref_y, tol)
 
 
 def test_mamba1_scan_breaks_when_state_is_not_carried(no_kernels):

@@ -28,7 +28,7 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
                                               std::vector<int64_t> offsets, c10::optional<torch::Tensor> D,
-                                              c10::optional<torch::Tensor> z);
+                                              c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> dt_bias);
 std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                         torch::Tensor C, c10::optional<torch::Tensor> D,
                                         c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets);

@@ -35,6 +35,7 @@ struct Rows {
 template <typename T>
 struct ScanArgs {
   Rows<T> u, dt, z;  // z.data == nullptr: no gate
+  const float* dt_bias;  // [D]: dt holds raw values, the step is softplus(dt + dt_bias) in T; nullptr: dt is the step
   const float *A, *B, *C, *Dskip;  // A [D, N], B/C [L, N], Dskip [D] float32
   int64_t D, N;
   float* h;  // [D, N] float32, updated
@@ -60,8 +61,13 @@ inline void scan_block(const ScanArgs<T>& p, int64_t d0, __mmask16 mask, int64_t
   __m512 hv[MaxN];
   for (int64_t n = 0; n < N; ++n) hv[n] = state[n];
   const __m512 dskip = p.z.data ? _mm512_maskz_loadu_ps(mask, p.Dskip + d0) : _mm512_setzero_ps();
+  const __m512 dt_bias = p.dt_bias ? _mm512_maskz_loadu_ps(mask, p.dt_bias + d0) : _mm512_setzero_ps();
   for (int64_t t = t0; t < t1; ++t) {
-    const __m512 dtv = load16_masked(p.dt.at(t, d0), mask);
+    __m512 dtv = load16_masked(p.dt.at(t, d0), mask);
+    if (p.dt_bias) {  // as F.softplus(dt + bias) in T: the sum and the result each rounded to T
+      dtv = stateserve_simd::round_to_ps<T>(stateserve_simd::softplus_ps(
+          stateserve_simd::round_to_ps<T>(_mm512_add_ps(dtv, dt_bias))));
+    }
     const __m512 uv = load16_masked(p.u.at(t, d0), mask);
     const float* bt = p.B + t * N;
     const float* ct = p.C + t * N;
@@ -132,7 +138,12 @@ void scan_channels(const ScanArgs<T>& p, int64_t L, int64_t d_begin, int64_t d_e
     float* hd = p.h + d * N;
     const float* ad = p.A + d * N;
     for (int64_t t = 0; t < L; ++t) {
-      const float dv = static_cast<float>(*p.dt.at(t, d)), uv = static_cast<float>(*p.u.at(t, d));
+      float dv = static_cast<float>(*p.dt.at(t, d));
+      if (p.dt_bias) {
+        dv = to_model<T>(dv + p.dt_bias[d]);
+        dv = to_model<T>(dv > 20.f ? dv : std::log1p(std::exp(dv)));
+      }
+      const float uv = static_cast<float>(*p.u.at(t, d));
       float acc = 0.f;
       for (int64_t n = 0; n < N; ++n) {
         hd[n] = std::exp(dv * ad[n]) * hd[n] + (dv * p.B[t * N + n]) * uv;
@@ -160,7 +171,8 @@ torch::Tensor rows_in(const torch::Tensor& t, at::ScalarType dtype) {
 }
 }  // namespace
 
-// u, dt: [L, D] in the model dtype T (float32 or bfloat16; dt after bias and softplus); A: [D, N] float32; B, C:
+// u, dt: [L, D] in the model dtype T (float32 or bfloat16; dt the step, after bias and softplus, or with dt_bias
+// [D] the raw values, the softplus of dt + dt_bias taken here as F.softplus in T does); A: [D, N] float32; B, C:
 // [L, N]; h0: [D, N] float32 or empty (zeros); offsets: token counts (1..L) after which the state is wanted. With
 // Dskip [D] and z [L, D] (in T, the gate before its SiLU) the output is (y + u * Dskip) * silu(z) in T, the block's
 // skip and gate fused in; without them y in float32. With T = bfloat16 the state is rounded to T before the product
@@ -169,7 +181,7 @@ torch::Tensor rows_in(const torch::Tensor& t, at::ScalarType dtype) {
 std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                               torch::Tensor C, c10::optional<torch::Tensor> h0,
                                               std::vector<int64_t> offsets, c10::optional<torch::Tensor> skip,
-                                              c10::optional<torch::Tensor> z) {
+                                              c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> dt_bias) {
   const auto dtype = u.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "selective_scan_fwd: float32 or bfloat16 u");
   TORCH_CHECK(u.dim() == 2 && dt.dim() == 2 && A.dim() == 2 && B.dim() == 2 && C.dim() == 2,
@@ -189,6 +201,11 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
     TORCH_CHECK(Dv.numel() == D && zv.dim() == 2 && zv.size(0) == L && zv.size(1) == D,
                 "selective_scan_fwd: D [D] and z [L, D]");
   }
+  torch::Tensor bias;
+  if (dt_bias.has_value() && dt_bias->defined()) {
+    bias = dt_bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == D, "selective_scan_fwd: dt_bias [D]");
+  }
   auto h = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone()
                                              : torch::zeros({D, N}, u.options().dtype(at::kFloat));
   auto y = torch::empty({L, D}, u.options().dtype(gated ? dtype : at::kFloat));
@@ -199,7 +216,7 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "selective_scan_fwd", [&] {
     ScanArgs<scalar_t> p{rows_of<scalar_t>(u), rows_of<scalar_t>(dt),
                          gated ? rows_of<scalar_t>(zv) : Rows<scalar_t>{nullptr, 0},
-                         A.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(),
+                         bias.defined() ? bias.data_ptr<float>() : nullptr, A.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(),
                          gated ? Dv.data_ptr<float>() : nullptr, D, N, h.data_ptr<float>(),
                          gated ? nullptr : y.data_ptr<float>(), gated ? y.data_ptr<scalar_t>() : nullptr,
                          snaps.data_ptr<float>(), want.data()};

@@ -58,10 +58,12 @@ def _inclusive_scan_(decay: torch.Tensor, inputs: torch.Tensor) -> None:
 def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                            h0: torch.Tensor | None, snapshot_offsets: Sequence[int] = (),
                            chunk_size: int | None = None, D: torch.Tensor | None = None,
-                           z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+                           z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Selective scan of one sequence's chunk, resuming from state h0, chunk by chunk.
 
-    u: [L, D] model dtype (conv output); dt: [L, D] after bias and softplus (used in float32); A: [D, N] float32;
+    u: [L, D] model dtype (conv output); dt: [L, D] after bias and softplus, or with dt_bias [D] before them (the
+    step is then F.softplus(dt + dt_bias), taken inside the CPU kernel); A: [D, N] float32;
     B, C: [L, N] model dtype; h0: [D, N] float32 or None (zeros).
     Returns y = C . h in u's dtype [L, D], the final state [D, N] float32 and the state after each requested
     offset (1 <= offset <= L). With D [D] and z [L, D] (the gate before its SiLU), y is (C . h + u * D) * silu(z)
@@ -75,8 +77,10 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
         offsets = sorted(set(snapshot_offsets))
         # u, dt and z are read in place in u's dtype; y's product with C rounds the state to that dtype first, as
         # the matmul below does
-        y, h, snaps = kernels.selective_scan_fwd(u, dt, A, B, C, h0, offsets, D, z)
+        y, h, snaps = kernels.selective_scan_fwd(u, dt, A, B, C, h0, offsets, D, z, dt_bias)
         return y.to(u.dtype), h, {off: snaps[i] for i, off in enumerate(offsets)}
+    if dt_bias is not None:
+        dt = F.softplus(dt + dt_bias.to(dt.dtype))
     q = chunk_size or scan_chunk_size(d_inner, d_state)
     y = u.new_empty(L, d_inner)
     h = h0.float() if h0 is not None else A.new_zeros(d_inner, d_state)
@@ -253,10 +257,11 @@ class MambaMixer(StatefulLayer):
                                                  conv_state[slot] if resume else None)
         u = F.silu(conv_out).to(u.dtype)  # [L, D]
         dt_raw, B, C = self._ssm_inputs(u)
-        dt = F.softplus(dt_raw + self.dt_proj.bias.to(dt_raw.dtype))  # [L, D] model dtype, as transformers
         A = self.neg_exp_A()  # [D, N]
-        y, h_last, states_at = selective_scan_prefill(u, dt, A, B, C, ssm_state[slot] if resume else None,
-                                                      [off for off, _ in snaps], self.scan_chunk, D=self.D, z=z)
+        # the step is F.softplus(dt_raw + bias) in the model dtype, as transformers; the kernel takes it per token
+        y, h_last, states_at = selective_scan_prefill(u, dt_raw, A, B, C, ssm_state[slot] if resume else None,
+                                                      [off for off, _ in snaps], self.scan_chunk, D=self.D, z=z,
+                                                      dt_bias=self.dt_proj.bias)
         for off, dst in snaps:
             conv_state[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
             ssm_state[dst].copy_(states_at[off])
