@@ -10,6 +10,7 @@ STATESERVE_HUGE_PAGES=0 turns it off.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 
@@ -24,8 +25,22 @@ HUGE_PAGE = 2 << 20
 _MIN_BYTES = 1 << 20  # small tensors (norms, biases) gain nothing
 
 
+@functools.cache
+def _kernel_accepts_advice() -> bool:
+    """Whether madvise(MADV_HUGEPAGE) works here (kernels built without THP refuse it with EINVAL)."""
+    if not (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")):
+        return False
+    try:
+        probe = mmap.mmap(-1, HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        probe.madvise(mmap.MADV_HUGEPAGE)
+        probe.close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def available() -> bool:
-    return bool(envs.STATESERVE_HUGE_PAGES) and hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+    return bool(envs.STATESERVE_HUGE_PAGES) and _kernel_accepts_advice()
 
 
 def _arena(nbytes: int) -> torch.Tensor | None:
