@@ -2,6 +2,8 @@
 ragged lengths and scattered block tables; mixed prefill + decode batches take both paths."""
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,22 +24,23 @@ def dense(q, k, v, scale):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("D", [16, 24, 64, 128])  # 64, 128: AVX-512 with rows in registers; 16: AVX-512 with a
 # run-time width; 24: the portable path
-def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D):
+@pytest.mark.parametrize("bs", [4, 16, 24])  # 24: a block holds a full group of 16 keys and a part one
+def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D, bs):
     g = torch.Generator().manual_seed(0)
-    bs, nb = 4, 32
+    nb = 32
     attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
-    kc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
-    vc = torch.randn(nb, bs, kv_heads, D, generator=g).to(dtype)
+    kc = torch.randn(nb, kv_heads, bs, D, generator=g).to(dtype)
+    vc = torch.randn(nb, kv_heads, bs, D, generator=g).to(dtype)
     attn.bind_cache(kc, vc)
-    lens = torch.tensor([1, 5, 19, 4])  # 19: more than one group of 16 keys, across five blocks
+    lens = torch.tensor([1, 5, 19, 4 * bs + 1])  # several groups of 16 keys and blocks; the last one in a 5th block
     perm = torch.randperm(nb, generator=g)
     tables = torch.stack([perm[i * 5:(i + 1) * 5] for i in range(4)])
     q = torch.randn(4, heads, D, generator=g).to(dtype)
     ref = []
     for i in range(4):
         blocks = tables[i, :-(-int(lens[i]) // bs)]
-        k = kc[blocks].flatten(0, 1)[:lens[i]]
-        v = vc[blocks].flatten(0, 1)[:lens[i]]
+        k = kc[blocks].transpose(1, 2).flatten(0, 1)[:lens[i]]  # [L, KH, D]
+        v = vc[blocks].transpose(1, 2).flatten(0, 1)[:lens[i]]
         ref.append(dense(q[i], k, v, D ** -0.5))
     ref = torch.stack(ref)
     gathered = attn._decode_gather(q, tables, lens, int(lens.max()))
@@ -48,6 +51,35 @@ def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D):
     out = kernels.paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     assert not torch.equal(out, kernels.paged_decode_attention(q, kc, vc, tables.roll(1, 0), lens, D ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_row_at_its_slot(dtype):
+    """New K/V rows land at (block, head, offset) of the [num_blocks, KH, block_size, D] cache, through the C++
+    kernel and through the indexing fallback alike; other rows stay untouched; a slot outside the cache is refused."""
+    g = torch.Generator().manual_seed(5)
+    nb, kv_heads, bs, D, T = 6, 3, 4, 8, 7
+    attn = Attention(6, kv_heads, D, D ** -0.5, dtype)
+    slots = torch.tensor([21, 0, 5, 7, 13, 22, 3])
+    k, v = torch.randn(T, kv_heads, D, generator=g), torch.randn(T, kv_heads, D, generator=g)  # float32 -> cast
+    for use_kernel in (True, False):
+        kc, vc = torch.full((nb, kv_heads, bs, D), 7.0, dtype=dtype), torch.full((nb, kv_heads, bs, D), 7.0, dtype=dtype)
+        attn.bind_cache(kc, vc)
+        if use_kernel:
+            if cpu_kernels.load() is None:
+                continue
+            attn.write_kv(k, v, slots)
+        else:
+            with unittest.mock.patch.object(cpu_kernels, "load", return_value=None):
+                attn.write_kv(k, v, slots)
+        expect_k, expect_v = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
+        for t, slot in enumerate(slots.tolist()):
+            expect_k[slot // bs, :, slot % bs] = k[t].to(dtype)
+            expect_v[slot // bs, :, slot % bs] = v[t].to(dtype)
+        assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+    if cpu_kernels.load() is not None:
+        with pytest.raises(RuntimeError, match="slot 24 outside the cache"):
+            attn.write_kv(k[:1], v[:1], torch.tensor([nb * bs]))
 
 
 def test_prefill_causal_matches_sdpa():
@@ -75,14 +107,15 @@ def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_
     D, bs, ctx, qlen = 16, 4, 9, 6  # the context ends inside a block
     total = ctx + qlen
     attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
-    kc, vc = torch.zeros(8, bs, kv_heads, D, dtype=dtype), torch.zeros(8, bs, kv_heads, D, dtype=dtype)
+    kc, vc = torch.zeros(8, kv_heads, bs, D, dtype=dtype), torch.zeros(8, kv_heads, bs, D, dtype=dtype)
     attn.bind_cache(kc, vc)
     q = torch.randn(total, heads, D, generator=g).to(dtype)
     k, v = (torch.randn(total, kv_heads, D, generator=g).to(dtype) for _ in range(2))
     table = torch.tensor([[5, 2, 7, 0]])  # scattered blocks
     slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(total)])
-    kc.view(-1, kv_heads, D)[slots[:ctx]] = k[:ctx]  # the context, written by an earlier step
-    vc.view(-1, kv_heads, D)[slots[:ctx]] = v[:ctx]
+    for p in range(ctx):  # the context, written by an earlier step
+        kc[int(table[0, p // bs]), :, p % bs] = k[p]
+        vc[int(table[0, p // bs]), :, p % bs] = v[p]
     meta = AttnMetadata(query_start_loc=[0, qlen], query_lens=[qlen], context_lens=[ctx], seq_lens=[total],
                         is_decode_only=False, slot_mapping=slots[ctx:], block_tables=table, prefill_seqs=[0])
     out = attn(q[ctx:], k[ctx:], v[ctx:], meta)

@@ -14,7 +14,7 @@ def _elem_size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Paged K and V for one attention layer: storage is [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """Paged K and V for one attention layer: storage is [num_blocks, num_kv_heads, block_size, head_dim] each."""
 
     num_kv_heads: int
     head_dim: int

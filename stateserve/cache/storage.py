@@ -64,7 +64,7 @@ class CacheStorage:
         self.block_size = block_size
         # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: tuple(torch.zeros(plan.num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+            name: tuple(torch.zeros(plan.num_blocks, s.num_kv_heads, block_size, s.head_dim, dtype=s.dtype,
                                     device=device) for _ in range(2))
             for name, s in kv_specs.items()
         }

@@ -1,6 +1,7 @@
 // The Python module of the CPU kernels: one binding per kernel, the kernels live in their own files.
 #include <torch/extension.h>
 
+void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // thread keeps serving sockets while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("write_kv_cache", &write_kv_cache, "new K/V rows into the paged cache at their slots (CPU)", nogil);
   m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("mamba2_decode_", &mamba2_decode_, "Mamba2 decode after in_proj: conv, step sizes, state update; returns y",

@@ -1,9 +1,11 @@
 // Decode attention over the paged KV cache, reading K/V blocks in place (no gather copy).
-// One task per (sequence, kv head); the query heads of a GQA group share each K/V row read.
+// One task per sequence (or a share of its kv heads); the query heads of a GQA group share each K/V row read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #include "simd.h"
 
@@ -26,102 +28,125 @@ std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
 using stateserve_simd::exp_ps;
 using stateserve_simd::load16;
 
+// bfloat16 rows as "pairs": 32 elements loaded as one vector whose 32-bit lane l holds elements 2l (low half) and
+// 2l + 1 (high half); the even elements widen to float32 by a shift, the odd ones by a mask, with no cross-lane
+// shuffle (load16 needs one per 16 elements). Vector v of a row is then the even (v % 2 == 0) or odd elements of
+// its 32-element chunk v / 2; q and the accumulators are kept in that order, and only the output is put back.
+inline __m512 load_pair_half(const at::BFloat16* row, int64_t v) {
+  const __m512i raw = _mm512_loadu_si512(row + 32 * (v / 2));
+  return _mm512_castsi512_ps(v % 2 == 0 ? _mm512_slli_epi32(raw, 16)
+                                        : _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline int64_t pair_index(int64_t d) { return d / 32 * 32 + (d % 2) * 16 + (d % 32) / 2; }  // element d, paired
+
+template <typename scalar_t>
+inline __m512 load_row16(const scalar_t* row, int64_t v, bool pairs) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (pairs) return load_pair_half(row, v);
+  }
+  return load16(row + 16 * v);
+}
+
 // One task: kv heads [kh0, kh1) of one sequence (their query heads: `group` per kv head), head_dim = 16 * nv
-// (NV > 0: known at compile time, so q and the accumulators stay in registers; NV == 0: nv at run time). Keys
-// are taken 16 at a time, walked block by block with running (block, offset) counters: their rows, every head of
-// the task side by side, are read from memory once and then served from L1 to each head in turn. Each head
-// reduces its 16 scores in one transpose-and-add tree, the softmax is vectorised, and the V pass keeps two
-// accumulator sets (even/odd keys) so the FMA chains overlap.
+// (NV > 0: known at compile time, so q and the accumulators stay in registers; NV == 0: nv at run time). The cache
+// is [num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are one contiguous piece that
+// streams from memory in order; each block's successor is prefetched into L2 while the block is computed (without
+// it a pass waits on every piece). Keys go 16 at a time within a block: each head reduces its 16 scores in one
+// transpose-and-add tree, the softmax is vectorised, and the V pass keeps two accumulator sets (even/odd keys) so
+// the FMA chains overlap.
 template <int NV, typename scalar_t>
 void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                         int64_t len, scalar_t* out, int64_t s, int64_t kh0, int64_t kh1, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t group, float scale,
                         std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
   const int64_t nv = NV > 0 ? NV : head_dim / 16;
-  const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
-  const int64_t padded = (len + 15) / 16 * 16;
+  const bool pairs = std::is_same_v<scalar_t, at::BFloat16> && nv % 2 == 0;
+  const int64_t head_stride = block_size * head_dim, block_stride = num_kv_heads * head_stride;
+  const int64_t task_bytes = (kh1 - kh0) * head_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  const int64_t stride = len + 16;  // per head: room for a full 16-lane store at any key
   const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // the task's query heads
-  scores.resize(nh * padded);
+  scores.resize(nh * stride);
   qf.resize(nh * head_dim);
   acc.assign(nh * head_dim, 0.f);
   for (int64_t i = 0; i < nh; ++i)
     for (int64_t d = 0; d < head_dim; ++d)
-      qf[i * head_dim + d] = static_cast<float>(q[(s * num_heads + h0 + i) * head_dim + d]) * scale;
-  const scalar_t* rows[16];
-  auto gather_rows = [&](const scalar_t* cache, int64_t n, int64_t& block, int64_t& offset) {
-    for (int64_t j = 0; j < n; ++j) {
-      rows[j] = cache + table[block] * block_stride + offset * row_stride;
-      if (++offset == block_size) offset = 0, ++block;
+      qf[i * head_dim + (pairs ? pair_index(d) : d)] =
+          static_cast<float>(q[(s * num_heads + h0 + i) * head_dim + d]) * scale;
+  // Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows) with rows pointing at key
+  // t0 of kv head 0 (kv head h: + h * head_stride).
+  auto walk = [&](const scalar_t* cache, auto&& fn) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const scalar_t* base = cache + table[b] * block_stride;
+      if (b + 1 < num_blocks) {
+        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride + kh0 * head_stride);
+        for (int64_t x = 0; x < task_bytes; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+      }
+      const int64_t keys = std::min(block_size, len - b * block_size);
+      for (int64_t o = 0; o < keys; o += 16) fn(b * block_size + o, std::min<int64_t>(16, keys - o), base + o * head_dim);
     }
   };
-  int64_t block = 0, offset = 0;
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    gather_rows(k_cache, n, block, offset);
+  walk(k_cache, [&](int64_t t0, int64_t n, const scalar_t* rows) {
     for (int64_t i = 0; i < nh; ++i) {
-      const int64_t kv_offset = (kh0 + i / group) * head_dim;
+      const scalar_t* k = rows + (kh0 + i / group) * head_stride;
       __m512 qv[16];
       for (int64_t v = 0; v < nv; ++v) qv[v] = _mm512_loadu_ps(qf.data() + i * head_dim + 16 * v);
       __m512 dots[16];
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* k = rows[j] + kv_offset;
-        __m512 dot = _mm512_mul_ps(load16(k), qv[0]);
-        for (int64_t v = 1; v < nv; ++v) dot = _mm512_fmadd_ps(load16(k + 16 * v), qv[v], dot);
+      for (int64_t j = 0; j < n; ++j, k += head_dim) {
+        __m512 dot = _mm512_mul_ps(load_row16(k, 0, pairs), qv[0]);
+        for (int64_t v = 1; v < nv; ++v) dot = _mm512_fmadd_ps(load_row16(k, v, pairs), qv[v], dot);
         dots[j] = dot;
       }
       for (int64_t j = n; j < 16; ++j) dots[j] = _mm512_setzero_ps();
-      _mm512_storeu_ps(scores.data() + i * padded + t0, stateserve_simd::reduce16_ps(dots));
+      _mm512_storeu_ps(scores.data() + i * stride + t0, stateserve_simd::reduce16_ps(dots));
     }
-  }
+  });
   // softmax numerators in place, per head; lanes past len are masked out of the max and the sum
-  const __mmask16 tail = static_cast<__mmask16>((1u << (len - (padded - 16))) - 1u);
+  auto lanes = [&](int64_t t0) {
+    return len - t0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - t0)) - 1u);
+  };
   float inv[256];  // nh <= num_heads <= 256: checked by the caller
   for (int64_t i = 0; i < nh; ++i) {
-    float* sg = scores.data() + i * padded;
+    float* sg = scores.data() + i * stride;
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t0 = 0; t0 < padded; t0 += 16)
-      mv = _mm512_mask_max_ps(mv, t0 + 16 < padded ? __mmask16(0xFFFF) : tail, mv, _mm512_loadu_ps(sg + t0));
+    for (int64_t t0 = 0; t0 < len; t0 += 16) mv = _mm512_mask_max_ps(mv, lanes(t0), mv, _mm512_loadu_ps(sg + t0));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < padded; t0 += 16) {
-      const __mmask16 lanes = t0 + 16 < padded ? __mmask16(0xFFFF) : tail;
-      const __m512 e = _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(lanes(t0), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
       _mm512_storeu_ps(sg + t0, e);
       sum = _mm512_add_ps(sum, e);
     }
     inv[i] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  block = offset = 0;
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    gather_rows(v_cache, n, block, offset);
+  walk(v_cache, [&](int64_t t0, int64_t n, const scalar_t* rows) {
     for (int64_t i = 0; i < nh; ++i) {
-      const int64_t kv_offset = (kh0 + i / group) * head_dim;
-      const float* p = scores.data() + i * padded + t0;
+      const scalar_t* vr = rows + (kh0 + i / group) * head_stride;
+      const float* p = scores.data() + i * stride + t0;
       float* a = acc.data() + i * head_dim;
       __m512 acc0[16], acc1[16];
       for (int64_t v = 0; v < nv; ++v) acc0[v] = _mm512_loadu_ps(a + 16 * v), acc1[v] = _mm512_setzero_ps();
       int64_t j = 0;
       for (; j + 1 < n; j += 2) {
-        const scalar_t *v0 = rows[j] + kv_offset, *v1 = rows[j + 1] + kv_offset;
+        const scalar_t *v0 = vr + j * head_dim, *v1 = v0 + head_dim;
         const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
         for (int64_t v = 0; v < nv; ++v) {
-          acc0[v] = _mm512_fmadd_ps(p0, load16(v0 + 16 * v), acc0[v]);
-          acc1[v] = _mm512_fmadd_ps(p1, load16(v1 + 16 * v), acc1[v]);
+          acc0[v] = _mm512_fmadd_ps(p0, load_row16(v0, v, pairs), acc0[v]);
+          acc1[v] = _mm512_fmadd_ps(p1, load_row16(v1, v, pairs), acc1[v]);
         }
       }
       if (j < n) {
-        const scalar_t* v0 = rows[j] + kv_offset;
+        const scalar_t* v0 = vr + j * head_dim;
         const __m512 p0 = _mm512_set1_ps(p[j]);
-        for (int64_t v = 0; v < nv; ++v) acc0[v] = _mm512_fmadd_ps(p0, load16(v0 + 16 * v), acc0[v]);
+        for (int64_t v = 0; v < nv; ++v) acc0[v] = _mm512_fmadd_ps(p0, load_row16(v0, v, pairs), acc0[v]);
       }
       for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(a + 16 * v, _mm512_add_ps(acc0[v], acc1[v]));
     }
-  }
+  });
   for (int64_t i = 0; i < nh; ++i) {
     scalar_t* o = out + (s * num_heads + h0 + i) * head_dim;
     const float* a = acc.data() + i * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[d] * inv[i]);
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[pairs ? pair_index(d) : d] * inv[i]);
   }
 }
 
@@ -183,7 +208,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
           qf[g * head_dim + d] = static_cast<float>(q[(s * num_heads + kh * group + g) * head_dim + d]) * scale;
       const int64_t* table = block_tables + s * max_blocks;
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* k = k_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
+        const scalar_t* k = k_cache + ((table[t / block_size] * num_kv_heads + kh) * block_size + t % block_size) * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.f;
@@ -195,7 +220,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
       std::fill(acc.begin(), acc.end(), 0.f);
       const std::vector<float> denom = exp_scores_(scores.data(), group, len);
       for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* v = v_cache + ((table[t / block_size] * block_size + t % block_size) * num_kv_heads + kh) * head_dim;
+        const scalar_t* v = v_cache + ((table[t / block_size] * num_kv_heads + kh) * block_size + t % block_size) * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * head_dim;
@@ -210,7 +235,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   });
 }
 
-// q: [S, H, D]; k_cache, v_cache: [num_blocks, block_size, KH, D]; block_tables: [S, max_blocks] int64;
+// q: [S, H, D]; k_cache, v_cache: [num_blocks, KH, block_size, D]; block_tables: [S, max_blocks] int64;
 // seq_lens: [S] int64 (each >= 1). Returns [S, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -219,11 +244,44 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), bs = k_cache.size(1), KH = k_cache.size(2);
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KH = k_cache.size(1), bs = k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                             S, H, KH, D, bs, tables.size(1), static_cast<float>(scale));
   });
   return out;
+}
+
+// Writes new keys and values into their cache rows. k, v: [T, KH, D] in the cache's dtype; slots: [T] int64
+// (block * block_size + offset); caches [num_blocks, KH, block_size, D], so each head's row is its own copy.
+void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                    torch::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "write_kv_cache: tensors must be contiguous");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "write_kv_cache: k/v dtype differs from the cache's");
+  TORCH_CHECK(k_cache.dim() == 4 && k.dim() == 3 && k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes() &&
+              k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3), "write_kv_cache: shapes do not match");
+  auto slot_t = slots.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slot_t.numel() == k.size(0), "write_kv_cache: one slot per token");
+  const int64_t T = k.size(0), KH = k_cache.size(1), bs = k_cache.size(2), D = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * bs, elem = k.element_size(), row_bytes = D * elem;
+  const int64_t* slot = slot_t.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_cache: slot ", slot[t], " outside the cache");
+  const char *ks = static_cast<const char*>(k.data_ptr()), *vs = static_cast<const char*>(v.data_ptr());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slot[t] / bs, offset = slot[t] % bs;
+      for (int64_t h = 0; h < KH; ++h) {
+        const int64_t dst = ((block * KH + h) * bs + offset) * row_bytes, src = (t * KH + h) * row_bytes;
+        std::memcpy(kc + dst, ks + src, row_bytes);
+        std::memcpy(vc + dst, vs + src, row_bytes);
+      }
+    }
+  };
+  if (T * KH * row_bytes < (1 << 18)) body(0, T);  // a decode step's few rows: less than forking the team
+  else at::parallel_for(0, T, 16, body);
 }

@@ -24,7 +24,7 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.dtype, self.causal, self.uses_cache = scale, dtype, causal, uses_cache
-        self.k_cache: torch.Tensor | None = None  # [num_blocks, bs, KH, D], bound by the runner
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, KH, block_size, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def cache_spec(self) -> KVCacheSpec | None:
@@ -36,14 +36,35 @@ class Attention(nn.Module):
     def release(self) -> None:
         self.k_cache = self.v_cache = None
 
+    # The cache layout is known only to these three methods and the C++ kernels: a block holds each kv head's
+    # block_size rows together, so a head's keys of a block stream from memory as one piece.
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[2]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stores new keys and values ([T, KH, D]) at their slots (block * block_size + offset)."""
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        kernels = cpu_kernels.load() if k.device.type == "cpu" else None
+        if kernels is not None:
+            kernels.write_kv_cache(self.k_cache, self.v_cache, k.contiguous(), v.contiguous(), slot_mapping)
+            return
+        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        self.k_cache[blocks, :, offsets] = k
+        self.v_cache[blocks, :, offsets] = v
+
+    def cached_kv(self, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first `length` positions of the sequences whose block tables are given
+        ([..., num_blocks] -> [..., KH, length, D] each, copies)."""
+        def rows(cache: torch.Tensor) -> torch.Tensor:
+            return cache[block_tables].transpose(-4, -3).flatten(-3, -2)[..., :length, :]
+        return rows(self.k_cache), rows(self.v_cache)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]
         if self.k_cache is None:
             return self._prefill(q, k, v, meta, range(len(meta.query_lens)), torch.empty_like(q))
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        self.write_kv(k, v, meta.slot_mapping)
         if meta.is_decode_only:
             return self._decode(q, meta)
         out = torch.empty_like(q)
@@ -70,13 +91,12 @@ class Attention(nn.Module):
     def _decode_gather(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                        max_len: int) -> torch.Tensor:
         num_seqs = q.shape[0]
-        tables = tables[:, :-(-max_len // self.k_cache.shape[1])]
-        k = self.k_cache[tables].flatten(1, 2)  # [Sd, nb*bs, KH, D]
-        v = self.v_cache[tables].flatten(1, 2)
-        positions = torch.arange(k.shape[1], device=q.device)
+        num_blocks = -(-max_len // self.block_size)
+        k, v = self.cached_kv(tables[:, :num_blocks], num_blocks * self.block_size)  # [Sd, KH, nb*bs, D]
+        positions = torch.arange(k.shape[2], device=q.device)
         mask = (positions[None, :] < lens[:, None]).view(num_seqs, 1, 1, -1)
-        out = self._sdpa(q.view(num_seqs, self.num_heads, 1, self.head_dim), k.transpose(1, 2).to(q.dtype),
-                         v.transpose(1, 2).to(q.dtype), mask, False)
+        out = self._sdpa(q.view(num_seqs, self.num_heads, 1, self.head_dim), k.to(q.dtype), v.to(q.dtype), mask,
+                         False)
         return out.view(num_seqs, self.num_heads, self.head_dim)
 
     def _prefill_with_context_cpu(self, qi: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -88,21 +108,21 @@ class Attention(nn.Module):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         rep = self.num_heads // self.num_kv_heads
 
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [L, KH, D] -> [1, H, L, D] in q's dtype, as the cache holds it
-            x = x.to(self.k_cache.dtype).to(qi.dtype).transpose(0, 1)
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [KH, L, D] -> [1, H, L, D] in q's dtype, as the cache holds it
+            x = x.to(self.k_cache.dtype).to(qi.dtype)
             return (x.repeat_interleave(rep, 0) if rep > 1 else x).unsqueeze(0)
 
-        k_ctx = self.k_cache[ctx_blocks].flatten(0, 1)[:ctx]
-        v_ctx = self.v_cache[ctx_blocks].flatten(0, 1)[:ctx]
+        k_ctx, v_ctx = self.cached_kv(ctx_blocks, ctx)
         o_ctx, lse_ctx = flash(qi, heads(k_ctx), heads(v_ctx), 0.0, False, scale=self.scale)[:2]
-        o_new, lse_new = flash(qi, heads(k_new), heads(v_new), 0.0, True, scale=self.scale)[:2]
+        o_new, lse_new = flash(qi, heads(k_new.transpose(0, 1)), heads(v_new.transpose(0, 1)), 0.0, True,
+                               scale=self.scale)[:2]
         lse = torch.logaddexp(lse_ctx, lse_new)  # [1, H, Lq] float32
         out = o_ctx.float() * (lse_ctx - lse).exp().unsqueeze(-1) + o_new.float() * (lse_new - lse).exp().unsqueeze(-1)
         return out.to(qi.dtype)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
                  out: torch.Tensor) -> torch.Tensor:
-        bs = self.k_cache.shape[1] if self.k_cache is not None else 0
+        bs = self.block_size if self.k_cache is not None else 0
         for i in seqs:
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
             qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
@@ -116,8 +136,7 @@ class Attention(nn.Module):
             else:
                 total = ctx + qlen
                 blocks = meta.block_tables[i, :-(-total // bs)]
-                ki = self.k_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0).to(qi.dtype)
-                vi = self.v_cache[blocks].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0).to(qi.dtype)
+                ki, vi = (x.unsqueeze(0).to(qi.dtype) for x in self.cached_kv(blocks, total))
                 # query row r sits at absolute position ctx + r and sees keys 0..ctx + r
                 rows = torch.arange(qlen, device=q.device)[:, None] + ctx
                 mask = torch.arange(total, device=q.device)[None, :] <= rows

@@ -51,16 +51,13 @@ class RelativeBiasPagedAttention(Attention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
                 bias: "DecoderBias") -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        self.write_kv(k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        bs = self.k_cache.shape[1]
+        bs = self.block_size
         if bias.decode is not None:
-            tables = meta.decode_block_tables[:, :-(-meta.decode_max_seq_len // bs)]
-            kd = self.k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [Sd, KH, nb*bs, D]
-            vd = self.v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            num_blocks = -(-meta.decode_max_seq_len // bs)
+            kd, vd = (x.to(q.dtype) for x in self.cached_kv(meta.decode_block_tables[:, :num_blocks],
+                                                             num_blocks * bs))  # [Sd, KH, nb*bs, D]
             qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Sd, H, 1, D]
             od = self._sdpa(qd, kd, vd, bias.decode, False).squeeze(2)
             if od.shape[0] == q.shape[0]:
@@ -69,14 +66,11 @@ class RelativeBiasPagedAttention(Attention):
         for i in meta.prefill_seqs:
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
             if ctx == 0:
-                ki, vi = k[start:start + qlen], v[start:start + qlen]
+                ki, vi = k[start:start + qlen].transpose(0, 1), v[start:start + qlen].transpose(0, 1)
             else:
-                blocks = meta.block_tables[i, :-(-(ctx + qlen) // bs)]
-                ki = self.k_cache[blocks].flatten(0, 1)[:ctx + qlen]
-                vi = self.v_cache[blocks].flatten(0, 1)[:ctx + qlen]
+                ki, vi = self.cached_kv(meta.block_tables[i, :-(-(ctx + qlen) // bs)], ctx + qlen)  # [KH, L, D]
             qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-            ki = ki.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vi = vi.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            ki, vi = ki.unsqueeze(0).to(q.dtype), vi.unsqueeze(0).to(q.dtype)
             out[start:start + qlen] = self._sdpa(qi, ki, vi, bias.prefill[i], False).squeeze(0).transpose(0, 1)
         return out
 
@@ -273,7 +267,7 @@ class T5ForConditionalGeneration(ModelBase):
     # ---- decoder -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         x = self.shared(input_ids)  # [T, d]
-        bs = self.decoder.block[0].layer[0].SelfAttention.attn.k_cache.shape[1]
+        bs = self.decoder.block[0].layer[0].SelfAttention.attn.block_size
         bias = DecoderBias(self.decoder.bias_table, meta.attn, bs, self.num_buckets, self.max_distance, x.dtype)
         cross = meta.extra["cross"]
         for block in self.decoder.block:
