@@ -97,14 +97,51 @@ def test_prefill_causal_matches_sdpa():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,D,bs,ctx,qlen", [
+    (12, 12, 64, 16, 0, 37),     # a first chunk; query rows not a multiple of 16
+    (8, 2, 128, 4, 9, 21),       # GQA, small blocks, context ending inside a block
+    (12, 12, 64, 16, 300, 212),  # long context
+    (4, 4, 64, 24, 40, 50),      # blocks of 24 keys: steps of 16 and 8
+])
+def test_prefill_kernel_matches_dense(dtype, tol, heads, kv_heads, D, bs, ctx, qlen):
+    """The C++ causal prefill kernel reads the chunk's keys and its context from scattered cache blocks; q may be a
+    strided view (a column slice of the fused projection)."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.prefill_attention_supported(dtype, D):
+        pytest.skip("no prefill attention kernel in this build")
+    g = torch.Generator().manual_seed(7)
+    total = ctx + qlen
+    nb = -(-total // bs) + 3
+    kc = torch.randn(nb, kv_heads, bs, D, generator=g).to(dtype)
+    vc = torch.randn(nb, kv_heads, bs, D, generator=g).to(dtype)
+    table = torch.randperm(nb, generator=g)[:-(-total // bs)]
+    fused = torch.randn(qlen, heads * D + 8, generator=g).to(dtype)
+    q = fused[:, 8:].view(qlen, heads, D)  # rows strided
+    out = kernels.paged_prefill_attention(q, kc, vc, table, ctx, D ** -0.5)
+    rep = heads // kv_heads
+    k = kc[table].transpose(0, 1).flatten(1, 2)[:, :total].float().repeat_interleave(rep, 0)
+    v = vc[table].transpose(0, 1).flatten(1, 2)[:, :total].float().repeat_interleave(rep, 0)
+    visible = torch.arange(total)[None, :] <= torch.arange(qlen)[:, None] + ctx
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=visible,
+                                         scale=D ** -0.5).transpose(0, 1)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    # one key more per row gives another answer: the causal boundary is where it should be
+    one_more = torch.arange(total)[None, :] <= torch.arange(qlen)[:, None] + ctx + 1
+    off_by_one = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=one_more,
+                                                scale=D ** -0.5).transpose(0, 1)
+    assert not torch.allclose(out.float(), off_by_one, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads):
+@pytest.mark.parametrize("D", [16, 64])  # 16: PyTorch's flash kernel (merged by log-sum-exp); 64: the C++ kernel
+def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads, D):
     """A later chunk of a prompt (context already in the paged cache): the CPU path merges flash attention over
     the context and over the chunk by log-sum-exp; it must equal one causal attention over the whole prompt."""
     from stateserve.layers.metadata import AttnMetadata
 
     g = torch.Generator().manual_seed(3)
-    D, bs, ctx, qlen = 16, 4, 9, 6  # the context ends inside a block
+    bs, ctx, qlen = 4, 9, 6  # the context ends inside a block
     total = ctx + qlen
     attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
     kc, vc = torch.zeros(8, kv_heads, bs, D, dtype=dtype), torch.zeros(8, kv_heads, bs, D, dtype=dtype)

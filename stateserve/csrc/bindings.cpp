@@ -2,6 +2,9 @@
 #include <torch/extension.h>
 
 void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
+bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t ctx, double scale);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
@@ -39,6 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // thread keeps serving sockets while the engine thread computes.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", nogil);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of a prompt chunk over the paged cache (CPU, AVX-512)", nogil);
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether paged_prefill_attention has a kernel for a dtype and head size", nogil);
   m.def("write_kv_cache", &write_kv_cache, "new K/V rows into the paged cache at their slots (CPU)", nogil);
   m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU, AVX-512)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);

@@ -26,26 +26,8 @@ std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
 
 #if defined(__AVX512F__)
 using stateserve_simd::exp_ps;
-using stateserve_simd::load16;
-
-// bfloat16 rows as "pairs": 32 elements loaded as one vector whose 32-bit lane l holds elements 2l (low half) and
-// 2l + 1 (high half); the even elements widen to float32 by a shift, the odd ones by a mask, with no cross-lane
-// shuffle (load16 needs one per 16 elements). Vector v of a row is then the even (v % 2 == 0) or odd elements of
-// its 32-element chunk v / 2; q and the accumulators are kept in that order, and only the output is put back.
-inline __m512 load_pair_half(const at::BFloat16* row, int64_t v) {
-  const __m512i raw = _mm512_loadu_si512(row + 32 * (v / 2));
-  return _mm512_castsi512_ps(v % 2 == 0 ? _mm512_slli_epi32(raw, 16)
-                                        : _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-inline int64_t pair_index(int64_t d) { return d / 32 * 32 + (d % 2) * 16 + (d % 32) / 2; }  // element d, paired
-
-template <typename scalar_t>
-inline __m512 load_row16(const scalar_t* row, int64_t v, bool pairs) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    if (pairs) return load_pair_half(row, v);
-  }
-  return load16(row + 16 * v);
-}
+using stateserve_simd::load_row16;
+using stateserve_simd::pair_index;
 
 // One task: kv heads [kh0, kh1) of one sequence (their query heads: `group` per kv head), head_dim = 16 * nv
 // (NV > 0: known at compile time, so q and the accumulators stay in registers; NV == 0: nv at run time). The cache

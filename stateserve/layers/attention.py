@@ -120,11 +120,27 @@ class Attention(nn.Module):
         out = o_ctx.float() * (lse_ctx - lse).exp().unsqueeze(-1) + o_new.float() * (lse_new - lse).exp().unsqueeze(-1)
         return out.to(qi.dtype)
 
+    def _prefill_kernels(self, q: torch.Tensor):
+        """The C++ module when its causal prefill kernel covers this layer and q (CPU, cache bound, float32 or
+        bfloat16, head size 64 or 128), else None."""
+        if self.k_cache is None or not self.causal or q.device.type != "cpu" or q.dtype != self.k_cache.dtype:
+            return None
+        kernels = cpu_kernels.load()
+        if kernels is None or not kernels.prefill_attention_supported(q.dtype, self.head_dim):
+            return None
+        return kernels
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
                  out: torch.Tensor) -> torch.Tensor:
         bs = self.block_size if self.k_cache is not None else 0
+        kernels = self._prefill_kernels(q)
         for i in seqs:
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
+            if kernels is not None:  # keys and values of the chunk are in the cache already: read blocks in place
+                out[start:start + qlen] = kernels.paged_prefill_attention(
+                    q[start:start + qlen], self.k_cache, self.v_cache, meta.block_tables[i, :-(-(ctx + qlen) // bs)],
+                    ctx, self.scale)
+                continue
             qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if ctx == 0 or self.k_cache is None:
                 ki = k[start:start + qlen].transpose(0, 1).unsqueeze(0)

@@ -14,7 +14,7 @@ logger = logging.getLogger("stateserve")
 _lock = threading.Lock()
 _module = None
 _failed = False
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "ssm_update.cpp", "small_ops.cpp",
+_SOURCES = ("bindings.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear.cpp", "ssm_update.cpp", "small_ops.cpp",
             "selective_scan.cpp", "ssd_scan.cpp")
 
 
