@@ -44,7 +44,7 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
   const int64_t nv = NV > 0 ? NV : head_dim / 16;
   const bool pairs = std::is_same_v<scalar_t, at::BFloat16> && nv % 2 == 0;
   const int64_t head_stride = block_size * head_dim, block_stride = num_kv_heads * head_stride;
-  const int64_t task_bytes = (kh1 - kh0) * head_stride * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t piece_bytes = head_stride * static_cast<int64_t>(sizeof(scalar_t));
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   const int64_t stride = len + 16;  // per head: room for a full 16-lane store at any key
   const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // the task's query heads
@@ -55,21 +55,26 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
     for (int64_t d = 0; d < head_dim; ++d)
       qf[i * head_dim + (pairs ? pair_index(d) : d)] =
           static_cast<float>(q[(s * num_heads + h0 + i) * head_dim + d]) * scale;
-  // Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows) with rows pointing at key
-  // t0 of kv head 0 (kv head h: + h * head_stride).
+  // Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows, next) with rows pointing
+  // at key t0 of kv head 0 (kv head h: + h * head_stride), and next at the following block on a block's first group
+  // (else null). fn prefetches that block's piece of each head as it takes the head: spread out like that, the
+  // prefetches measured 7-25% faster than issuing the whole block's at once.
   auto walk = [&](const scalar_t* cache, auto&& fn) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const scalar_t* base = cache + table[b] * block_stride;
-      if (b + 1 < num_blocks) {
-        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride + kh0 * head_stride);
-        for (int64_t x = 0; x < task_bytes; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-      }
+      const char* next = b + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[b + 1] * block_stride) : nullptr;
       const int64_t keys = std::min(block_size, len - b * block_size);
-      for (int64_t o = 0; o < keys; o += 16) fn(b * block_size + o, std::min<int64_t>(16, keys - o), base + o * head_dim);
+      for (int64_t o = 0; o < keys; o += 16)
+        fn(b * block_size + o, std::min<int64_t>(16, keys - o), base + o * head_dim, o == 0 ? next : nullptr);
     }
   };
-  walk(k_cache, [&](int64_t t0, int64_t n, const scalar_t* rows) {
+  auto prefetch_piece = [&](const char* next, int64_t kv) {  // into L2: into L1 it evicts what is being computed
+    if (next == nullptr) return;
+    for (int64_t x = 0; x < piece_bytes; x += 64) _mm_prefetch(next + kv * piece_bytes + x, _MM_HINT_T1);
+  };
+  walk(k_cache, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
     for (int64_t i = 0; i < nh; ++i) {
+      if (i % group == 0) prefetch_piece(next, kh0 + i / group);
       const scalar_t* k = rows + (kh0 + i / group) * head_stride;
       __m512 qv[16];
       for (int64_t v = 0; v < nv; ++v) qv[v] = _mm512_loadu_ps(qf.data() + i * head_dim + 16 * v);
@@ -101,8 +106,9 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
     }
     inv[i] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  walk(v_cache, [&](int64_t t0, int64_t n, const scalar_t* rows) {
+  walk(v_cache, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
     for (int64_t i = 0; i < nh; ++i) {
+      if (i % group == 0) prefetch_piece(next, kh0 + i / group);
       const scalar_t* vr = rows + (kh0 + i / group) * head_stride;
       const float* p = scores.data() + i * stride + t0;
       float* a = acc.data() + i * head_dim;
