@@ -134,6 +134,31 @@ inline __m512 reduce16_ps(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
+// Transposes 16 vectors of 16 32-bit lanes in place (r[i] lane j <-> r[j] lane i): unpacks within 128-bit lanes,
+// 64-bit shuffles, then two rounds of 128-bit lane shuffles; 64 shuffles in all.
+inline void transpose16x16_ps(__m512* r) {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {  // lane L of u[4k + c]: column 4L + c of rows 4k..4k+3
+    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
 // The horizontal sums of a, b, c, d as the four lanes of one 128-bit vector (the first two levels of reduce16_ps,
 // then the four 128-bit lanes added).
 inline __m128 reduce4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
