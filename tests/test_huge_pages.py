@@ -69,3 +69,40 @@ def test_switched_off_moves_nothing(monkeypatch):
     ptr = model.proj.weight.data_ptr()
     assert huge_pages.move_parameters(model) == 0
     assert model.proj.weight.data_ptr() == ptr
+
+
+def _faulted_kib(ptr: int) -> int:
+    """Resident KiB of the mapping holding ptr (from /proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError("not mapped")
+
+
+@pytest.mark.parametrize("switched_on", [True, False])
+def test_kv_cache_on_faulted_in_huge_pages(monkeypatch, switched_on):
+    """The KV pool is allocated on a huge-page-aligned mapping, zeroed and already resident (faulted in at
+    allocation, not mid-run); switched off, it is an ordinary tensor. Either way it is all zeros."""
+    from stateserve.cache.spec import KVCacheSpec
+    from stateserve.cache.storage import CachePlan, CacheStorage
+
+    monkeypatch.setenv("STATESERVE_HUGE_PAGES", "1" if switched_on else "0")
+    envs.disable_envs_cache()
+    spec = KVCacheSpec(num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    plan = CachePlan(num_blocks=256, num_slots=0, max_num_seqs=8, kv_bytes=256 * spec.bytes_per_block(16),
+                     state_bytes=0)
+    storage = CacheStorage({"layer": spec}, {}, plan, 16, torch.device("cpu"))
+    k, v = storage.kv["layer"]
+    assert k.shape == (256, 4, 16, 64) and not k.any() and not v.any()
+    nbytes = k.numel() * k.element_size()  # 2 MiB
+    aligned = k.data_ptr() % huge_pages.HUGE_PAGE == 0 and v.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert aligned == switched_on
+    if switched_on:
+        assert _faulted_kib(k.data_ptr()) * 1024 >= nbytes  # resident before any step wrote to it
+    envs.disable_envs_cache()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stateserve.cache import huge_pages
 from stateserve.cache.spec import KVCacheSpec, StateSpec
 
 logger = logging.getLogger("stateserve")
@@ -56,6 +57,15 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
                      int(num_slots * slot_bytes))
 
 
+def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's K or V blocks, zeroed; on CPU on huge pages where the kernel allows (see cache/huge_pages.py)."""
+    if device.type == "cpu":
+        tensor = huge_pages.zeros(shape, dtype)
+        if tensor is not None:
+            return tensor
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class CacheStorage:
     """Owns every cache tensor. Layers only ever see views bound by the runner."""
 
@@ -64,8 +74,8 @@ class CacheStorage:
         self.block_size = block_size
         # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: tuple(torch.zeros(plan.num_blocks, s.num_kv_heads, block_size, s.head_dim, dtype=s.dtype,
-                                    device=device) for _ in range(2))
+            name: tuple(_kv_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
+                        for _ in range(2))
             for name, s in kv_specs.items()
         }
         # Layers whose state tensors have the same shape and dtype (every Mamba2 layer of a model, say) share one
