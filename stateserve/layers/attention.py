@@ -2,7 +2,8 @@
 each sequence's context through its block table; model code only calls `forward`.
 
 Sequences decoding one token are attended together (a C++ kernel that reads blocks in place on CPU, a
-gather + SDPA elsewhere); prefill chunks are attended one sequence at a time with SDPA."""
+gather + SDPA elsewhere); prefill chunks are attended one sequence at a time (on CPU by a C++ kernel reading the
+blocks in place where it covers the dtype and head size, else with SDPA)."""
 from __future__ import annotations
 
 import torch
