@@ -123,10 +123,11 @@ def test_mamba1_state_update_in_place_at_slots(dtype, N, no_kernels):
     S, D, slots_n = 3, 24, 6
     state = torch.randn(slots_n, D, N, generator=g)
     slots = torch.tensor([4, 0, 2])
-    args = [torch.randn(S, D, generator=g).to(dtype), torch.randn(S, D, generator=g).to(dtype),
-            torch.randn(D, generator=g), -torch.rand(D, N, generator=g), torch.randn(S, N, generator=g).to(dtype),
-            torch.randn(S, N, generator=g).to(dtype), torch.randn(D, generator=g), torch.randn(S, D, generator=g).to(dtype)]
-    u, dt_raw, dt_bias, A, B, C, Dskip, z = args
+    # u and z as the two halves of in_proj's output, B and C as slices of x_proj's: rows with strides
+    u, z = torch.randn(S, 2 * D, generator=g).to(dtype).chunk(2, dim=-1)
+    _, B, C = torch.randn(S, 3 + 2 * N, generator=g).to(dtype).split([3, N, N], dim=-1)
+    dt_raw, dt_bias = torch.randn(S, D, generator=g).to(dtype), torch.randn(D, generator=g)
+    A, Dskip = -torch.rand(D, N, generator=g), torch.randn(D, generator=g)
     ref_state = state.clone()
     no_kernels(False)
     ref = selective_state_update(ref_state, slots, u, dt_raw, dt_bias, A, B, C, Dskip, z)
@@ -135,6 +136,15 @@ def test_mamba1_state_update_in_place_at_slots(dtype, N, no_kernels):
     _close(got, ref, 1e-5 if dtype == torch.float32 else 2e-2)
     _close(state, ref_state, 1e-5)
     assert torch.equal(state[[1, 3, 5]], ref_state[[1, 3, 5]])  # other slots untouched
+
+
+def test_mamba1_state_update_refuses_a_slot_outside_the_cache():
+    state = torch.zeros(2, 16, 16)
+    u = torch.zeros(1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.selective_state_update_(state, torch.tensor([2]), u, u, torch.zeros(16), torch.zeros(16, 16),
+                                        torch.zeros(1, 16), torch.zeros(1, 16), torch.zeros(16), u)
+    assert not state.any()
 
 
 def test_mamba2_state_update_in_place_at_slots():

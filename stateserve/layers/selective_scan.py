@@ -112,12 +112,12 @@ def selective_state_update(ssm_state: torch.Tensor, slots: torch.Tensor, u: torc
     """One token for each of S sequences, batched. ssm_state: [num_slots, D, N] float32, updated at `slots`.
 
     u, dt_raw (before bias), z: [S, D]; B, C: [S, N]; A: [D, N] float32. Returns the gated output [S, D]."""
-    dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
     kernels = cpu_kernels.load() if ssm_state.device.type == "cpu" else None
-    if kernels is not None and ssm_state.dtype == torch.float32 and C.dtype in (torch.float32, torch.bfloat16) \
-            and u.dtype == B.dtype == C.dtype == z.dtype:
-        # the update and everything below in one pass over each state, in place, with the same rounding
-        return kernels.selective_state_update_(ssm_state, slots, u, dt, A, B, C, D, z)
+    if kernels is not None and ssm_state.dtype == torch.float32 and u.dtype in (torch.float32, torch.bfloat16) \
+            and u.dtype == dt_raw.dtype == B.dtype == C.dtype == z.dtype:
+        # step sizes, the update and everything below in one pass over each state, in place, same rounding
+        return kernels.selective_state_update_(ssm_state, slots, u, dt_raw, dt_bias, A, B, C, D, z)
+    dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
     dt32 = dt.float()[:, :, None]
     h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
     ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))

@@ -1,0 +1,151 @@
+// One decode token of Mamba1's selective SSM for S sequences, each float32 state [D, N] updated in place in its
+// slot, fused with what surrounds it in transformers' step: dt = softplus(dt_raw + dt_bias) before, the C
+// product, the D skip and the SiLU gate after. Every step is rounded to the model dtype T (float32 or bfloat16)
+// where the PyTorch path (selective_scan.selective_state_update) rounds it; the stored state is float32.
+// Why a block of 16 channels at a time: with d_state = 16 a channel's state row is one vector, and per channel
+// the update is a short dependent chain (exp, update, product with C, horizontal sum, a scalar SiLU) that left
+// the core waiting (~28 us a layer for Mamba-base in float32, 42 in bfloat16). 16 channels side by side give 16
+// independent chains, one transpose-and-add for their 16 sums, and the gate on whole vectors.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include "simd.h"
+
+namespace {
+
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// dt for one channel, scalar: softplus(round(dt_raw + bias)) rounded (threshold 20, as F.softplus).
+template <typename T>
+inline float step_size(float raw, float bias) {
+  const float v = round_to<T>(raw + bias);
+  return round_to<T>(v > 20.f ? v : std::log1p(std::exp(v)));
+}
+
+struct Mamba1Args {
+  float* states;            // [num_slots, D, N]
+  const int64_t* slots;     // [S]
+  const float* A;           // [D, N]
+  int64_t D, N;
+  int64_t ld_u, ld_dt, ld_b, ld_c, ld_z;  // row strides of u, dt_raw, B, C, z
+};
+
+// Channels [d0, d0 + 16) of sequence s, N a multiple of 16.
+template <typename T>
+void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const T* dt_raw, const T* bias,
+                  const T* B, const T* C, const T* Dskip, const T* z, T* out) {
+#if defined(__AVX512F__)
+  using namespace stateserve_simd;
+  const __m512 raw = load16(dt_raw + s * a.ld_dt + d0), uv = load16(u + s * a.ld_u + d0);
+  const __m512 dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(_mm512_add_ps(raw, load16(bias + d0)))));
+  alignas(64) float dts[16], us[16];
+  _mm512_store_ps(dts, dtv);
+  _mm512_store_ps(us, uv);
+  const T* b = B + s * a.ld_b;
+  const T* c = C + s * a.ld_c;
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    const __m512 dj = _mm512_set1_ps(dts[j]), uj = _mm512_set1_ps(us[j]);
+    const float* arow = a.A + (d0 + j) * a.N;
+    float* row = a.states + (a.slots[s] * a.D + d0 + j) * a.N;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t n = 0; n < a.N; n += 16) {
+      // h * exp(dt * A) + (dt * B) * u, the association of the PyTorch path
+      const __m512 decay = exp_ps(_mm512_mul_ps(dj, _mm512_loadu_ps(arow + n)));
+      const __m512 inject = _mm512_mul_ps(_mm512_mul_ps(dj, load16(b + n)), uj);
+      const __m512 h = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(row + n), decay), inject);
+      _mm512_storeu_ps(row + n, h);
+      sum = _mm512_fmadd_ps(round_to_ps<T>(h), load16(c + n), sum);  // the matmul in T reads the rounded state
+    }
+    acc[j] = sum;
+  }
+  const __m512 y = round_to_ps<T>(reduce16_ps(acc));  // lane j: channel d0 + j
+  const __m512 skip = round_to_ps<T>(_mm512_mul_ps(uv, load16(Dskip + d0)));
+  const __m512 gate = silu_rounded_ps<T>(load16(z + s * a.ld_z + d0));
+  store16(out + s * a.D + d0, round_to_ps<T>(_mm512_mul_ps(round_to_ps<T>(_mm512_add_ps(y, skip)), gate)));
+#endif
+}
+
+// One channel, scalar (channels past the last block of 16, or N not a multiple of 16).
+template <typename T>
+void update_channel(const Mamba1Args& a, int64_t s, int64_t d, const T* u, const T* dt_raw, const T* bias,
+                    const T* B, const T* C, const T* Dskip, const T* z, T* out) {
+  const float dv = step_size<T>(static_cast<float>(dt_raw[s * a.ld_dt + d]), static_cast<float>(bias[d]));
+  const float uv = static_cast<float>(u[s * a.ld_u + d]);
+  const float* arow = a.A + d * a.N;
+  float* row = a.states + (a.slots[s] * a.D + d) * a.N;
+  float acc = 0.f;
+  for (int64_t n = 0; n < a.N; ++n) {
+    const float h = row[n] * std::exp(dv * arow[n]) + (dv * static_cast<float>(B[s * a.ld_b + n])) * uv;
+    row[n] = h;
+    acc += round_to<T>(h) * static_cast<float>(C[s * a.ld_c + n]);
+  }
+  const float zv = static_cast<float>(z[s * a.ld_z + d]);
+  const float gate = round_to<T>(zv / (1.f + std::exp(-zv)));
+  const float skip = round_to<T>(uv * static_cast<float>(Dskip[d]));
+  out[s * a.D + d] = static_cast<T>(round_to<T>(round_to<T>(acc) + skip) * gate);
+}
+
+inline torch::Tensor unit_inner_stride(const torch::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+}  // namespace
+
+// states: [num_slots, D, N] float32; u, dt_raw (before bias and softplus), z: [S, D]; B, C: [S, N]; all five in
+// the model dtype T, rows may be strided (views of a projection's output). dt_bias, Dskip: [D], taken in T as
+// the PyTorch path's .to(T) does; A: [D, N] float32. Returns (C.h + u * Dskip) * silu(z) as [S, D] in T.
+torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
+                                      torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A,
+                                      torch::Tensor B, torch::Tensor C, torch::Tensor Dskip, torch::Tensor z) {
+  const auto dtype = u.scalar_type();
+  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 3,
+              "selective_state_update_: contiguous float32 states [slots, D, N]");
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && dt_raw.scalar_type() == dtype &&
+                  B.scalar_type() == dtype && C.scalar_type() == dtype && z.scalar_type() == dtype,
+              "selective_state_update_: u, dt, B, C and z must share a float32 or bfloat16 dtype");
+  const int64_t S = u.size(0), Dn = states.size(1), N = states.size(2);
+  TORCH_CHECK(u.dim() == 2 && u.size(1) == Dn && dt_raw.sizes() == u.sizes() && z.sizes() == u.sizes() &&
+                  B.dim() == 2 && B.size(0) == S && B.size(1) == N && C.sizes() == B.sizes() &&
+                  A.dim() == 2 && A.size(0) == Dn && A.size(1) == N && dt_bias.numel() == Dn &&
+                  Dskip.numel() == Dn && slots.numel() == S,
+              "selective_state_update_: shapes do not agree");
+  u = unit_inner_stride(u), dt_raw = unit_inner_stride(dt_raw), z = unit_inner_stride(z);
+  B = unit_inner_stride(B), C = unit_inner_stride(C);
+  A = A.to(at::kFloat).contiguous();
+  dt_bias = dt_bias.to(dtype).contiguous(), Dskip = Dskip.to(dtype).contiguous();
+  auto slot_ids = slots.to(at::kLong).contiguous();
+  const int64_t* sl = slot_ids.data_ptr<int64_t>();
+  const int64_t num_slots = states.size(0);
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(sl[s] >= 0 && sl[s] < num_slots, "selective_state_update_: slot ", sl[s], " outside the cache");
+  auto out = torch::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
+  const Mamba1Args args{states.data_ptr<float>(), sl, A.data_ptr<float>(), Dn, N,
+                        u.stride(0), dt_raw.stride(0), B.stride(0), C.stride(0), z.stride(0)};
+#if defined(__AVX512F__)
+  const bool blocks = N % 16 == 0;
+#else
+  const bool blocks = false;
+#endif
+  const int64_t num_blocks = blocks ? Dn / 16 : 0, per_seq = num_blocks + (Dn - num_blocks * 16);
+  // a task is a block of 16 channels (or one leftover channel); ~8K state elements a task at least, so a
+  // one-token step of Mamba-base (24K) runs on one thread without waking the others
+  const int64_t grain = std::max<int64_t>(1, 8192 / (16 * N));
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t *up = u.data_ptr<scalar_t>(), *dp = dt_raw.data_ptr<scalar_t>(), *bias = dt_bias.data_ptr<scalar_t>();
+    const scalar_t *Bp = B.data_ptr<scalar_t>(), *Cp = C.data_ptr<scalar_t>(), *Dp = Dskip.data_ptr<scalar_t>();
+    const scalar_t* zp = z.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, S * per_seq, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / per_seq, t = task % per_seq;
+        if (t < num_blocks)
+          update_block<scalar_t>(args, s, t * 16, up, dp, bias, Bp, Cp, Dp, zp, op);
+        else
+          update_channel<scalar_t>(args, s, num_blocks * 16 + (t - num_blocks), up, dp, bias, Bp, Cp, Dp, zp, op);
+      }
+    });
+  };
+  if (dtype == at::kBFloat16) run(at::BFloat16{}); else run(float{});
+  return out;
+}
