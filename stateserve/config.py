@@ -26,8 +26,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool | None = None  # None = the default for the model kind
     mamba_cache_mode: str | None = None  # none | all | align; None = the default
-    # dtype of Mamba2-style SSM states: float32 | bfloat16 | auto (= the model dtype, vLLM's default)
-    mamba_ssm_cache_dtype: str = "float32"
+    # dtype of SSM states: float32 | bfloat16 | auto (the model dtype where the layer kind can keep it, as vLLM
+    # and transformers do; Mamba1 and gated-delta-net states stay float32)
+    mamba_ssm_cache_dtype: str = "auto"
     hf_overrides: dict[str, Any] | None = None
     skip_tokenizer_init: bool = False
     device: str = "auto"

@@ -5,6 +5,8 @@ tensors [num_slots, *shape] to it; the layer reads and writes rows given by `Sta
 Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, C, K-1]."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +47,9 @@ class StatefulLayer(nn.Module):
 
     def cache_spec(self) -> StateSpec:
         raise NotImplementedError
+
+    # the dtypes this layer can keep its SSM state in (set_ssm_state_dtype); Mamba2-style mixers add theirs
+    ssm_state_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
 
     def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
         """Keep the SSM state in `dtype` (engine option mamba_ssm_cache_dtype). Layers whose kernels only take

@@ -149,13 +149,15 @@ class ModelRunner:
             logger.info("oneDNN weight prepack: %.2f GiB of linear weights copied into its blocked layout", added / GiB)
 
     def _apply_ssm_state_dtype(self) -> None:
-        """mamba_ssm_cache_dtype: each recurrent layer keeps its SSM state in that dtype or refuses (ValueError)."""
+        """mamba_ssm_cache_dtype: a named dtype is kept by each recurrent layer or refused (ValueError); auto is the
+        model dtype wherever a layer can keep it (Mamba2-style mixers), float32 elsewhere (Mamba1, gated delta
+        net), as vLLM's auto and transformers' caches keep the model dtype."""
         choice = self.engine_config.mamba_ssm_cache_dtype
         dtype = self.model_config.dtype if choice == "auto" else getattr(torch, choice)
         if dtype == torch.float32:
             return
         for m in self.model.modules():
-            if isinstance(m, StatefulLayer):
+            if isinstance(m, StatefulLayer) and (choice != "auto" or dtype in m.ssm_state_dtypes):
                 m.set_ssm_state_dtype(dtype)
 
     def _allocated_bytes(self) -> int:
