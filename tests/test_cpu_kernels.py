@@ -263,13 +263,17 @@ def test_gated_rms_norm_matches_pytorch(gate_dtype, norm_before_gate, no_kernels
     with torch.no_grad():
         norm.weight.copy_(torch.randn(96, generator=g))
     y = torch.randn(7, 96, generator=g)  # the scan's float32 output
-    gate = torch.randn(7, 96, generator=g).to(gate_dtype)
+    gate = torch.randn(7, 2 * 96, generator=g).to(gate_dtype)[:, 96:]  # strided rows, a view of in_proj's output
     no_kernels(False)
     ref = norm(y, gate)
     no_kernels(True)
     got = norm(y, gate)
-    assert got.dtype == ref.dtype == torch.float32
-    _close(got, ref, 1e-5)
+    assert got.dtype == ref.dtype == gate_dtype  # rounded once to the model dtype, what out_proj reads
+    if gate_dtype == torch.float32:
+        _close(got, ref, 1e-5)
+    else:  # the same float32 value rounded: equal but where the two sums of squares straddle a rounding boundary
+        _close(got, ref, 1e-2)
+        assert (got == ref).float().mean() > 0.95
     # per-group statistics: normalising over the whole row instead must show
     whole = GatedRMSNorm(96, 96, eps=1e-5, norm_before_gate=norm_before_gate).to(gate_dtype)
     with torch.no_grad():

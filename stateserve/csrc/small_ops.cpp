@@ -304,43 +304,51 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// h = y (norm_before_gate) or y * act; returns the sum of h^2 (a pragma cannot sit in the dispatch macro below).
+static float gate_and_square(const float* y, const float* act, float* h, int64_t n, bool norm_before_gate) {
+  float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = norm_before_gate ? y[i] : y[i] * act[i];
+    h[i] = v;
+    sq += v * v;
+  }
+  return sq;
+}
+
 // Mamba2's gated RMSNorm over groups of `group_size` channels, in float32 as transformers computes it (y is the
 // scan's float32 output): norm_before_gate=false: normalize(y * silu(z)) * weight; true: normalize(y) * weight *
-// silu(z). y: [M, I] float32; gate z: [M, I] and weight: [I] in the model dtype. Returns [M, I] float32.
+// silu(z). y: [M, I] float32; gate z: [M, I] (any row stride: a view of in_proj's output) and weight: [I] in the
+// model dtype. Returns [M, I] in the gate's (model) dtype: rounded once at the end, as out_proj reads it.
 torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
                              double eps, bool norm_before_gate) {
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && gate.sizes() == y.sizes() && weight.dim() == 1 &&
                   weight.size(0) == y.size(1) && group_size > 0 && y.size(1) % group_size == 0,
               "gated_rms_norm: y [M, I] float32, gate [M, I], weight [I], I a multiple of group_size");
   y = y.contiguous();
-  gate = gate.contiguous();
+  if (gate.stride(1) != 1) gate = gate.contiguous();
   auto w = weight.to(at::kFloat).contiguous();
-  auto out = torch::empty_like(y);
-  const int64_t M = y.size(0), I = y.size(1);
+  auto out = torch::empty(y.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t M = y.size(0), I = y.size(1), ld_gate = gate.stride(0);
   const float* wp = w.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "gated_rms_norm", [&] {
     const scalar_t* gp = gate.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, M, rows_grain(2 * I, 4), [&](int64_t begin, int64_t end) {
-      std::vector<float> act(I);  // silu(z) of the row, float32
+      std::vector<float> act(I), h(I);  // silu(z) and the normalized quantity of the row, float32
       for (int64_t m = begin; m < end; ++m) {
         const float* yr = yp + m * I;
-        const scalar_t* gr = gp + m * I;
-        float* orow = op + m * I;
+        const scalar_t* gr = gp + m * ld_gate;
+        scalar_t* orow = op + m * I;
         for (int64_t i = 0; i < I; ++i) act[i] = static_cast<float>(gr[i]);
         int64_t i0 = silu_rounded_simd<float>(act.data(), act.data(), I);
         for (; i0 < I; ++i0) act[i0] = silu_rounded<float>(act[i0]);
         for (int64_t g0 = 0; g0 < I; g0 += group_size) {
-          float sq = 0.f;
-          for (int64_t i = g0; i < g0 + group_size; ++i) {
-            const float h = norm_before_gate ? yr[i] : yr[i] * act[i];
-            orow[i] = h;
-            sq += h * h;
-          }
+          const float sq = gate_and_square(yr + g0, act.data() + g0, h.data() + g0, group_size, norm_before_gate);
           const float r = 1.f / std::sqrt(sq / static_cast<float>(group_size) + static_cast<float>(eps));
           for (int64_t i = g0; i < g0 + group_size; ++i)
-            orow[i] = norm_before_gate ? wp[i] * (orow[i] * r) * act[i] : wp[i] * (orow[i] * r);
+            orow[i] = static_cast<scalar_t>(norm_before_gate ? wp[i] * (h[i] * r) * act[i] : wp[i] * (h[i] * r));
         }
       }
     });

@@ -56,13 +56,13 @@ class GatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # y, gate: [T, hidden_size]
+        # y: [T, hidden_size] float32, gate: [T, hidden_size] in the model dtype -> [T, hidden_size] in gate's dtype
         if y.device.type == "cpu" and y.dim() == 2 and y.dtype == torch.float32 and \
                 gate.dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels.load()
             if kernels is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
                 return kernels.gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, self.norm_before_gate)
-        dtype = y.dtype
+        dtype = gate.dtype
         h = y.float()
         if not self.norm_before_gate:
             h = h * F.silu(gate.float())
@@ -71,7 +71,7 @@ class GatedRMSNorm(nn.Module):
         h = grouped.view(h.shape)
         if self.norm_before_gate:
             return (self.weight * h * F.silu(gate.float())).to(dtype)
-        return self.weight * h.to(dtype)
+        return (self.weight * h).to(dtype)
 
 
 class Mamba2Mixer(StatefulLayer):
@@ -143,10 +143,12 @@ class Mamba2Mixer(StatefulLayer):
                              "ssm": (self.num_heads, self.head_dim, self.state_size)},
                             {"conv": self.dtype, "ssm": self.ssm_state_dtype})
 
+    ssm_state_dtypes = (torch.float32, torch.bfloat16, torch.float16)  # float16: the PyTorch (CUDA) path only
+
     def set_ssm_state_dtype(self, dtype: torch.dtype) -> None:
         """bfloat16 states halve the bytes a decode step reads and writes (in batched decode they outweigh the
         weights); every update still computes in float32 and rounds only what it stores."""
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # float16: the PyTorch (CUDA) path only
+        if dtype not in self.ssm_state_dtypes:
             raise ValueError(f"mamba_ssm_cache_dtype: Mamba2 states can be float32, bfloat16 or float16, not {dtype}")
         self.ssm_state_dtype = dtype
 
