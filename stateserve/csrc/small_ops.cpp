@@ -316,6 +316,37 @@ static float gate_and_square(const float* y, const float* act, float* h, int64_t
   return sq;
 }
 
+// One row of the gated RMSNorm on AVX-512 (float32 or bfloat16 gate and output; I and the group size multiples
+// of 16); `h` is scratch of I floats. Returns false where it does not apply (the caller's scalar loop runs).
+template <typename T>
+bool gated_rms_norm_row_simd(const float* y, const T* gate, const float* w, T* out, float* h, int64_t I,
+                             int64_t group_size, float eps, bool norm_before_gate) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    if (I % 16 != 0 || group_size % 16 != 0) return false;
+    for (int64_t g0 = 0; g0 < I; g0 += group_size) {
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = g0; i < g0 + group_size; i += 16) {
+        const __m512 yv = _mm512_loadu_ps(y + i);
+        const __m512 v = norm_before_gate ? yv : _mm512_mul_ps(yv, silu_ps(load16(gate + i)));
+        _mm512_storeu_ps(h + i, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float r = 1.f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(group_size) + eps);
+      const __m512 rv = _mm512_set1_ps(r);
+      for (int64_t i = g0; i < g0 + group_size; i += 16) {
+        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(h + i), rv));
+        if (norm_before_gate) o = _mm512_mul_ps(o, silu_ps(load16(gate + i)));
+        store16(out + i, o);
+      }
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 // Mamba2's gated RMSNorm over groups of `group_size` channels, in float32 as transformers computes it (y is the
 // scan's float32 output): norm_before_gate=false: normalize(y * silu(z)) * weight; true: normalize(y) * weight *
 // silu(z). y: [M, I] float32; gate z: [M, I] (any row stride: a view of in_proj's output) and weight: [I] in the
@@ -341,6 +372,9 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
         const float* yr = yp + m * I;
         const scalar_t* gr = gp + m * ld_gate;
         scalar_t* orow = op + m * I;
+        if (gated_rms_norm_row_simd<scalar_t>(yr, gr, wp, orow, h.data(), I, group_size, static_cast<float>(eps),
+                                              norm_before_gate))
+          continue;
         for (int64_t i = 0; i < I; ++i) act[i] = static_cast<float>(gr[i]);
         int64_t i0 = silu_rounded_simd<float>(act.data(), act.data(), I);
         for (; i0 < I; ++i0) act[i0] = silu_rounded<float>(act[i0]);
