@@ -27,23 +27,30 @@ template <typename S>
 inline void ssd_head_update(S* state, const float* x, float dt, float A, const float* b, const float* c,
                             const float* D, int64_t P, int64_t N, float* y) {
 #if defined(__AVX512F__)
-  // bfloat16 rows with N a multiple of 16: explicit vectors (the scalar loop does not vectorise the bfloat16
-  // conversions), rows widened on load and rounded to nearest even on store.
-  if constexpr (std::is_same_v<S, at::BFloat16>) {
-    if (N % 16 == 0) {
+  // N and P multiples of 16 (float32 or bfloat16 rows): explicit vectors, 16 rows at a time so that their 16 dot
+  // products with C finish in one transpose-and-add instead of 16 dependent horizontal sums (which left the core
+  // waiting: ~40 us a layer for Mamba2-base's 24 heads of 64 x 64); bfloat16 rows widened on load and rounded to
+  // nearest even on store.
+  if constexpr (std::is_same_v<S, float> || std::is_same_v<S, at::BFloat16>) {
+    if (N % 16 == 0 && P % 16 == 0) {
       using namespace stateserve_simd;
       const __m512 decay = _mm512_set1_ps(std::exp(dt * A));
-      for (int64_t p = 0; p < P; ++p) {
-        const __m512 dx = _mm512_set1_ps(x[p] * dt);
-        S* row = state + p * N;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t n = 0; n < N; n += 16) {
-          const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
-          store16(row + n, v);
-          acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), acc);
+      for (int64_t p0 = 0; p0 < P; p0 += 16) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          const __m512 dx = _mm512_set1_ps(x[p0 + j] * dt);
+          S* row = state + (p0 + j) * N;
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t n = 0; n < N; n += 16) {
+            const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
+            store16(row + n, v);
+            sum = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), sum);
+          }
+          acc[j] = sum;
         }
-        const float sum = _mm512_reduce_add_ps(acc);
-        y[p] = D ? sum + *D * x[p] : sum;
+        __m512 yv = reduce16_ps(acc);  // lane j: row p0 + j
+        if (D) yv = _mm512_fmadd_ps(_mm512_set1_ps(*D), _mm512_loadu_ps(x + p0), yv);
+        _mm512_storeu_ps(y + p0, yv);
       }
       return;
     }
