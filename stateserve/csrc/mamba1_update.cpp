@@ -13,15 +13,7 @@
 
 namespace {
 
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-// dt for one channel, scalar: softplus(round(dt_raw + bias)) rounded (threshold 20, as F.softplus).
-template <typename T>
-inline float step_size(float raw, float bias) {
-  const float v = round_to<T>(raw + bias);
-  return round_to<T>(v > 20.f ? v : std::log1p(std::exp(v)));
-}
+using stateserve_simd::round_to;
 
 struct Mamba1Args {
   float* states;            // [num_slots, D, N]
@@ -71,7 +63,8 @@ void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const 
 template <typename T>
 void update_channel(const Mamba1Args& a, int64_t s, int64_t d, const T* u, const T* dt_raw, const T* bias,
                     const T* B, const T* C, const T* Dskip, const T* z, T* out) {
-  const float dv = step_size<T>(static_cast<float>(dt_raw[s * a.ld_dt + d]), static_cast<float>(bias[d]));
+  const float dv = stateserve_simd::softplus_rounded<T>(
+      round_to<T>(static_cast<float>(dt_raw[s * a.ld_dt + d]) + static_cast<float>(bias[d])));
   const float uv = static_cast<float>(u[s * a.ld_u + d]);
   const float* arow = a.A + d * a.N;
   float* row = a.states + (a.slots[s] * a.D + d) * a.N;
@@ -82,7 +75,7 @@ void update_channel(const Mamba1Args& a, int64_t s, int64_t d, const T* u, const
     acc += round_to<T>(h) * static_cast<float>(C[s * a.ld_c + n]);
   }
   const float zv = static_cast<float>(z[s * a.ld_z + d]);
-  const float gate = round_to<T>(zv / (1.f + std::exp(-zv)));
+  const float gate = stateserve_simd::silu_rounded<T>(zv);
   const float skip = round_to<T>(uv * static_cast<float>(Dskip[d]));
   out[s * a.D + d] = static_cast<T>(round_to<T>(round_to<T>(acc) + skip) * gate);
 }

@@ -14,15 +14,8 @@
 
 namespace {
 
-template <typename T>
-inline float to_model(float v) { return static_cast<float>(static_cast<T>(v)); }  // rounded to T (float: as is)
-
-// F.silu in dtype T: the input and the result rounded to T, computed in float32.
-template <typename T>
-inline float silu_rounded(float z) {
-  const float v = to_model<T>(z);
-  return to_model<T>(v / (1.f + std::exp(-v)));
-}
+using stateserve_simd::round_to;
+using stateserve_simd::silu_rounded;
 
 // Rows of the [L, D] inputs; `stride` = elements between tokens (u and dt are contiguous, z is a column slice).
 template <typename T>
@@ -140,16 +133,16 @@ void scan_channels(const ScanArgs<T>& p, int64_t L, int64_t d_begin, int64_t d_e
     for (int64_t t = 0; t < L; ++t) {
       float dv = static_cast<float>(*p.dt.at(t, d));
       if (p.dt_bias) {
-        dv = to_model<T>(dv + p.dt_bias[d]);
-        dv = to_model<T>(dv > 20.f ? dv : std::log1p(std::exp(dv)));
+        dv = round_to<T>(dv + p.dt_bias[d]);
+        dv = stateserve_simd::softplus_rounded<T>(dv);
       }
       const float uv = static_cast<float>(*p.u.at(t, d));
       float acc = 0.f;
       for (int64_t n = 0; n < N; ++n) {
         hd[n] = std::exp(dv * ad[n]) * hd[n] + (dv * p.B[t * N + n]) * uv;
-        acc += (kRound ? to_model<T>(hd[n]) : hd[n]) * p.C[t * N + n];
+        acc += (kRound ? round_to<T>(hd[n]) : hd[n]) * p.C[t * N + n];
       }
-      if (kRound) acc = to_model<T>(acc);
+      if (kRound) acc = round_to<T>(acc);
       if (p.z.data)
         p.y_model[t * p.D + d] = static_cast<T>((acc + uv * p.Dskip[d]) * silu_rounded<T>(static_cast<float>(*p.z.at(t, d))));
       else

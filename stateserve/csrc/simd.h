@@ -1,10 +1,26 @@
-// Helpers shared by the kernels: a scalar SSD row update, and (only with __AVX512F__ defined) lane conversions
-// and a vector exp; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
+// Helpers shared by the kernels: scalar rounding to the model dtype, SiLU and softplus as PyTorch computes them in
+// that dtype, a scalar SSD row update, and (only with __AVX512F__ defined) lane conversions and a vector exp; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
 #pragma once
 #include <torch/extension.h>
+#include <cmath>
 #include <type_traits>
 
 namespace stateserve_simd {
+
+// v rounded to T and back (float: as is): where a PyTorch expression in T rounds an intermediate.
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// F.silu in dtype T: the input and the result rounded to T, computed in float32.
+template <typename T>
+inline float silu_rounded(float v) {
+  v = round_to<T>(v);
+  return round_to<T>(v / (1.f + std::exp(-v)));
+}
+
+// F.softplus (beta 1, threshold 20) of a value already in T, the result rounded to T.
+template <typename T>
+inline float softplus_rounded(float v) { return round_to<T>(v > 20.f ? v : std::log1p(std::exp(v))); }
 
 // One SSD (Mamba2) state row: row[n] <- row[n] * decay + dx * b[n]; returns sum_n new[n] * c[n] over the
 // unrounded new values. S = float or a 16-bit type (the stored row is rounded). The scalar form every SSD kernel

@@ -19,15 +19,8 @@ inline int64_t rows_grain(int64_t elements_per_row, int64_t min_rows) {
   return std::max<int64_t>(min_rows, kInlineElements / std::max<int64_t>(1, elements_per_row));
 }
 
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-// F.silu applied to a T value (input rounded to T, silu in float32, rounded to T again), kept as float32.
-template <typename T>
-inline float silu_rounded(float v) {
-  v = round_to<T>(v);
-  return round_to<T>(v / (1.f + std::exp(-v)));
-}
+using stateserve_simd::round_to;
+using stateserve_simd::silu_rounded;
 
 // (a pragma cannot sit inside AT_DISPATCH's macro arguments, hence a function of its own)
 template <typename T>
@@ -406,7 +399,7 @@ torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, do
     const float lo_t = round_to<scalar_t>(static_cast<float>(lo)), hi_t = round_to<scalar_t>(static_cast<float>(hi));
     for (int64_t i = 0; i < S * H; ++i) {
       const float v = round_to<scalar_t>(static_cast<float>(dp[i]) + bp[i % H]);
-      const float sp = round_to<scalar_t>(v > 20.f ? v : std::log1p(std::exp(v)));  // F.softplus, threshold 20
+      const float sp = stateserve_simd::softplus_rounded<scalar_t>(v);
       op[i] = std::min(std::max(sp, lo_t), hi_t);
     }
   });
