@@ -1,8 +1,8 @@
-// One decode token of Mamba-style recurrences, updating each sequence's float32 state in place in its slot.
+// One decode token of Mamba2 (SSD), updating each sequence's state (float32 or bfloat16) in place in its slot.
 // In PyTorch the same update gathers the states, builds several state-sized temporaries and scatters the
 // result back: for a 24-layer Mamba2 that is ~150 MB of memory traffic per token; here it is one read and one
-// write of each state. The arithmetic and its order follow the PyTorch paths (ssd.ssd_decode_step,
-// selective_scan.selective_state_update) in float32.
+// write of each state. The arithmetic follows the PyTorch path (ssd.ssd_decode_step) in float32. (Mamba1's
+// update is in mamba1_update.cpp.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
