@@ -1,5 +1,7 @@
 // Helpers shared by the kernels: scalar rounding to the model dtype, SiLU and softplus as PyTorch computes them in
-// that dtype, a scalar SSD row update, and (only with __AVX512F__ defined) lane conversions and a vector exp; cpu_kernels.py hashes this header into the build flags so edits trigger a rebuild.
+// that dtype, a scalar SSD row update, (only with __AVX512F__ defined) lane conversions and a vector exp, and at
+// the end the parallel-grain rule and a SiLU over float arrays that use both; cpu_kernels.py hashes this header
+// into the build flags so edits trigger a rebuild.
 #pragma once
 #include <torch/extension.h>
 #include <cmath>
@@ -217,3 +219,29 @@ inline __m512 silu_rounded_ps(__m512 v) { return round_to_ps<T>(silu_ps(round_to
 
 }  // namespace stateserve_simd
 #endif
+
+namespace stateserve_simd {
+
+// Rows per parallel chunk such that a chunk holds at least ~32K elements (~10-20 us of work): a decode step's
+// few rows then run inline on the calling thread. Forking the OpenMP team for a microsecond of work costs more
+// than the work, and on a busy machine a region waits for whichever thread was descheduled.
+inline int64_t rows_grain(int64_t elements_per_row, int64_t min_rows) {
+  constexpr int64_t kInlineElements = 32768;
+  return std::max<int64_t>(min_rows, kInlineElements / std::max<int64_t>(1, elements_per_row));
+}
+
+// out[i] = silu(v) with v = in[i] rounded to T, the result rounded to T again and kept as float32: F.silu applied to
+// a T tensor. The vectorised prefix; returns how many elements it did.
+template <typename T>
+inline int64_t silu_rounded_simd(const float* in, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, silu_rounded_ps<T>(_mm512_loadu_ps(in + i)));
+  }
+#endif
+  return i;
+}
+
+}  // namespace stateserve_simd
