@@ -186,9 +186,10 @@ def test_mamba2_prefill_scan_matches_chunked_ssd_with_snapshots(P, N):
 
 @pytest.mark.parametrize("dtype,float_accumulate", [(torch.float32, False), (torch.bfloat16, False),
                                                      (torch.bfloat16, True)])
-def test_conv_update_matches_pytorch(dtype, float_accumulate, no_kernels):
+@pytest.mark.parametrize("K", [2, 4, 5, 6])  # bfloat16 windows of 1-4 inputs take the word-permute path, 5 not
+def test_conv_update_matches_pytorch(dtype, float_accumulate, K, no_kernels):
     g = torch.Generator().manual_seed(5)
-    S, Cn, K, slots_n = 3, 20, 4, 5
+    S, Cn, slots_n = 3, 36, 5  # two 16-channel blocks and a remainder
     conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
     ref_conv = conv.clone()
     slots = torch.tensor([2, 0, 4])
@@ -216,6 +217,29 @@ def test_rms_norm_matches_pytorch(dtype, no_kernels):
     got = norm(x)
     assert got.dtype == dtype
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("stream_dtype,model_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                      (torch.float32, torch.bfloat16)])  # last: residual_in_fp32
+def test_residual_add_and_norm_kernel_equals_the_two_ops(stream_dtype, model_dtype, no_kernels):
+    g = torch.Generator().manual_seed(12)
+    norm = RMSNorm(40, eps=1e-5).to(model_dtype)  # 40: two vectors and a scalar tail
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=g))
+    residual = (torch.randn(6, 40, generator=g) * 3).to(stream_dtype)
+    x = torch.randn(6, 40, generator=g).to(model_dtype)
+    expected_sum = residual + x
+    for use_kernels in (False, True):
+        no_kernels(use_kernels)
+        with torch.no_grad():
+            expected = norm(expected_sum.to(model_dtype))  # what the blocks computed before the fusion
+            stream = residual.clone()
+            got, got_sum = norm.add_forward(x, stream)
+        assert torch.equal(got_sum, expected_sum) and got_sum.dtype == stream_dtype
+        assert (got_sum is stream) == use_kernels  # the kernel updates the stream in place
+        assert got.dtype == model_dtype and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="dtypes"):
+        kernels.add_rms_norm_(residual.to(torch.float16), x, norm.weight, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

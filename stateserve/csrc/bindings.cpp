@@ -22,6 +22,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
@@ -62,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers", nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of the sum in the weight's dtype", nogil);
   m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)", nogil);
   m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)", nogil);
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype", nogil);

@@ -43,108 +43,7 @@ int64_t silu_and_mul_simd(const T* g, const T* u, T* o, int64_t n) {
   return i;
 }
 
-// conv1d_update_ for 16 consecutive channels of one sequence: the windows are read into a transposed float32 tile,
-// then products and sums (rounded as the scalar path rounds them) run 16 channels at a time. Returns false when
-// this dtype or window size has no vector path (the caller then runs the scalar loop).
-template <typename T>
-bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, bool has_bias, int64_t ldw,
-                      int64_t W, bool float_accumulate, T* y, float* y_silu) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-    using namespace stateserve_simd;
-    constexpr int64_t kMaxW = 8;
-    if (W > kMaxW) return false;
-    alignas(64) float win[kMaxW][16];
-    for (int j = 0; j < 16; ++j)
-      for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k <= W; ++k) {
-      const __m512 v = k < W ? _mm512_load_ps(win[k]) : load16(x);
-      const __m512 prod = _mm512_mul_ps(v, _mm512_loadu_ps(wt + k * ldw));
-      acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
-    }
-    const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-    if (y_silu != nullptr)
-      _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
-    else
-      store16(y, out);
-    return true;
-  }
-#endif
-  return false;
-}
-
 }  // namespace
-
-// Depthwise causal conv over the last K inputs of each sequence, shifting the conv state in place.
-// conv_state: [num_slots, C, K-1]; x: [S, C], conv_state's dtype; taps: the conv weight as float32 [K, C] (transposed,
-// so 16 channels' taps are one vector load; the caller caches it per weight version); bias: [C] float32 holding
-// values of x's dtype, or empty.
-// float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
-// expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
-// silu_float32: return silu(y) (rounded to x's dtype, as F.silu on y would) as float32, for the state update.
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
-  TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type(),
-              "conv1d_update_: conv_state and x must share a dtype (conv_state contiguous)");
-  TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.dim() == 2 && taps.is_contiguous(),
-              "conv1d_update_: taps must be contiguous float32 [K, C]");
-  x = x.contiguous();
-  auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
-  const int64_t S = x.size(0), C = x.size(1), K = taps.size(0), W = conv_state.size(2);
-  TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && taps.size(1) == C, "conv1d_update_: shapes do not agree");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == C && bias->is_contiguous(),
-                "conv1d_update_: bias must be contiguous float32 [C]");
-  auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
-  const float* wtp = taps.data_ptr<float>();
-  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
-  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector
-  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
-    scalar_t* st = conv_state.data_ptr<scalar_t>();
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const int64_t* sl = slot_ids.data_ptr<int64_t>();
-    scalar_t* yp = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
-    float* yfp = silu_float32 ? y.data_ptr<float>() : nullptr;
-    at::parallel_for(0, S * num_blocks, rows_grain(kBlock * K, 8), [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
-        const int64_t n = std::min(kBlock, C - c0);
-        scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
-        const scalar_t* xs = xp + s * C + c0;
-        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, has_bias,
-                                                      C, W, float_accumulate,
-                                                      yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* row = rows + j * W;
-            float acc = 0.f;
-            for (int64_t k = 0; k <= W; ++k) {
-              const float v = static_cast<float>(k < W ? row[k] : xs[j]);
-              const float prod = v * wtp[k * C + c0 + j];
-              acc += float_accumulate ? prod : round_to<scalar_t>(prod);
-            }
-            const float bias_v = has_bias ? bias_p[c0 + j] : 0.f;
-            const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
-            if (yfp != nullptr) {
-              yfp[s * C + c0 + j] = silu_rounded<scalar_t>(out);
-            } else {
-              yp[s * C + c0 + j] = static_cast<scalar_t>(out);
-            }
-          }
-        }
-        if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
-          // one move of the whole run, then each window's last element (which got the next window's first) is set
-          std::memmove(rows, rows + 1, (n * W - 1) * sizeof(scalar_t));
-          for (int64_t j = 0; j < n; ++j) rows[j * W + W - 1] = xs[j];
-        }
-      }
-    });
-  });
-  return y;
-}
 
 // RMSNorm of each row as transformers computes it: normalised in float32, cast to the input dtype, then
 // multiplied by the weight in that dtype. x: [M, H]; weight: [H], x's dtype.
@@ -171,6 +70,79 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       }
     });
   });
+  return out;
+}
+
+// The residual-stream add and the next block's RMSNorm in one pass (a decode step spent more on the two ops'
+// dispatch and temporaries than on their arithmetic): residual += x in place, in residual's dtype; returns
+// rms_norm(residual.to(weight.dtype)), rounded as rms_norm rounds. residual: [M, H] contiguous, float32
+// (residual_in_fp32) or the weight's dtype; x: [M, H] in the weight's dtype (or float32 with a float32 residual);
+// weight: [H]. R, X, W: the residual's, x's and weight's element types.
+namespace {
+template <typename R, typename X, typename W>
+void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_t H, float eps) {
+#if defined(__AVX512F__)
+  using namespace stateserve_simd;
+#endif
+  at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      R* r = res + m * H;
+      const X* xr = x + m * H;
+      W* o = out + m * H;
+      int64_t h = 0;
+#if defined(__AVX512F__)
+      for (; h + 16 <= H; h += 16) {  // store16 rounds to nearest even, as the casts below
+        const __m512 sum = round_to_ps<R>(_mm512_add_ps(load16(r + h), load16(xr + h)));
+        store16(r + h, sum);
+        store16(o + h, sum);
+      }
+#endif
+      for (; h < H; ++h) {
+        const R sum = static_cast<R>(static_cast<float>(r[h]) + static_cast<float>(xr[h]));
+        r[h] = sum;
+        o[h] = static_cast<W>(static_cast<float>(sum));  // the cast to the norm's dtype, as .to() does
+      }
+      const float sq = sum_of_squares(o, H);  // on the same W values as rms_norm would see: same sum
+      const float rs = 1.f / std::sqrt(sq / static_cast<float>(H) + eps);
+      h = 0;
+#if defined(__AVX512F__)
+      const __m512 rsv = _mm512_set1_ps(rs);
+      for (; h + 16 <= H; h += 16)
+        store16(o + h, _mm512_mul_ps(load16(w + h), round_to_ps<W>(_mm512_mul_ps(load16(o + h), rsv))));
+#endif
+      for (; h < H; ++h) {
+        const float normed = round_to<W>(static_cast<float>(o[h]) * rs);
+        o[h] = static_cast<W>(static_cast<float>(w[h]) * normed);
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && x.sizes() == residual.sizes() &&
+                  weight.dim() == 1 && weight.size(0) == residual.size(1),
+              "add_rms_norm_: residual [M, H] contiguous, x [M, H], weight [H]");
+  const auto rt = residual.scalar_type(), xt = x.scalar_type(), wt = weight.scalar_type();
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty(residual.sizes(), residual.options().dtype(wt));
+  const int64_t M = residual.size(0), H = residual.size(1);
+  const float e = static_cast<float>(eps);
+  using bf = at::BFloat16;
+  if (rt == at::kFloat && xt == at::kFloat && wt == at::kFloat) {
+    add_rms_norm_rows(residual.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                      out.data_ptr<float>(), M, H, e);
+  } else if (rt == at::kBFloat16 && xt == at::kBFloat16 && wt == at::kBFloat16) {
+    add_rms_norm_rows(residual.data_ptr<bf>(), x.data_ptr<bf>(), weight.data_ptr<bf>(), out.data_ptr<bf>(), M, H,
+                      e);
+  } else if (rt == at::kFloat && xt == at::kBFloat16 && wt == at::kBFloat16) {
+    add_rms_norm_rows(residual.data_ptr<float>(), x.data_ptr<bf>(), weight.data_ptr<bf>(), out.data_ptr<bf>(), M,
+                      H, e);
+  } else {
+    TORCH_CHECK(false, "add_rms_norm_: residual/x/weight dtypes must be float32/float32/float32, "
+                       "bfloat16/bfloat16/bfloat16 or float32/bfloat16/bfloat16, got ", rt, "/", xt, "/", wt);
+  }
   return out;
 }
 
@@ -282,7 +254,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi) {
   TORCH_CHECK(dt.dim() == 2 && dt_bias.dim() == 1 && dt_bias.size(0) == dt.size(1), "dt_softplus: dt [S, H], bias [H]");
   dt = dt.contiguous();
-  auto bias = dt_bias.to(dt.scalar_type()).to(at::kFloat).contiguous();
+  // float32 bias (the layer's cached copy) is read as it is and rounded to dt's dtype below; any other dtype is
+  // converted once here (two small copies: a few microseconds, as much as the step sizes of a decode step)
+  auto bias = dt_bias.scalar_type() == at::kFloat ? dt_bias.contiguous() : dt_bias.to(at::kFloat).contiguous();
   const int64_t S = dt.size(0), H = dt.size(1);
   auto out = torch::empty({S, H}, dt.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt.scalar_type(), "dt_softplus", [&] {
@@ -291,7 +265,7 @@ torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, do
     float* op = out.data_ptr<float>();
     const float lo_t = round_to<scalar_t>(static_cast<float>(lo)), hi_t = round_to<scalar_t>(static_cast<float>(hi));
     for (int64_t i = 0; i < S * H; ++i) {
-      const float v = round_to<scalar_t>(static_cast<float>(dp[i]) + bp[i % H]);
+      const float v = round_to<scalar_t>(static_cast<float>(dp[i]) + round_to<scalar_t>(bp[i % H]));
       const float sp = stateserve_simd::softplus_rounded<scalar_t>(v);
       op[i] = std::min(std::max(sp, lo_t), hi_t);
     }

@@ -33,6 +33,7 @@ from torch import nn
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import StateMetadata
+from stateserve.layers.param_cache import float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
                                          conv_state_at, sequence_chunks)
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
@@ -61,7 +62,7 @@ class GatedRMSNorm(nn.Module):
                 gate.dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels.load()
             if kernels is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
-                return kernels.gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, self.norm_before_gate)
+                return kernels.gated_rms_norm(y, gate, float32_copy(self, "weight"), self.group_size, self.eps, self.norm_before_gate)
         dtype = gate.dtype
         h = y.float()
         if not self.norm_before_gate:
@@ -161,7 +162,7 @@ class Mamba2Mixer(StatefulLayer):
         kernels = cpu_kernels.load() if dt.device.type == "cpu" and dt.dim() == 2 else None
         if kernels is not None and dt.dtype in (torch.float32, torch.bfloat16):  # the 4 ops below in one pass
             lo, hi = self.time_step_limit if clamp else (float("-inf"), float("inf"))
-            return kernels.dt_softplus(dt, self.dt_bias, lo, hi)
+            return kernels.dt_softplus(dt, float32_copy(self, "dt_bias"), lo, hi)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         if clamp:
             dt = torch.clamp(dt, min=self.time_step_limit[0], max=self.time_step_limit[1])
@@ -239,7 +240,7 @@ class Mamba2Mixer(StatefulLayer):
         that many tokens}) for the sorted `offsets`, whose last entry is L."""
         kernels = cpu_kernels.load() if x.device.type == "cpu" else None
         if kernels is not None:  # sequential recurrence: fewer FLOPs than the chunked form on a CPU
-            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), self.D, initial,
+            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), float32_copy(self, "D"), initial,
                                                    offsets[:-1])
             return y, {**{off: snaps[j] for j, off in enumerate(offsets[:-1])}, offsets[-1]: final}
         # Chunked SSD; requested snapshots split it into segments, each resuming from the previous one's state.
@@ -274,8 +275,9 @@ class Mamba2Mixer(StatefulLayer):
             # conv, step sizes and state update in one call: the same kernels as below, ~40 us less a layer
             lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
             taps, conv_bias = self.conv_taps()
-            y = kernels.mamba2_decode_(conv_states, ssm_states, slots, xbc, dt, taps, conv_bias, self.dt_bias,
-                                       lo, hi, A, self.D, self.n_groups)  # [S', H, P]
+            y = kernels.mamba2_decode_(conv_states, ssm_states, slots, xbc, dt, taps, conv_bias,
+                                       float32_copy(self, "dt_bias"), lo, hi, A, float32_copy(self, "D"),
+                                       self.n_groups)  # [S', H, P]
         else:
             y = self._decode_unfused(xbc, dt, A, slots)
         self._copy_decode_checkpoints(meta, seqs, slots)
@@ -292,7 +294,7 @@ class Mamba2Mixer(StatefulLayer):
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
         if kernels is not None and ssm_states.dtype in (torch.float32, torch.bfloat16):
-            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, self.D)  # in place, [S', H, P]
+            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, float32_copy(self, "D"))  # in place, [S', H, P]
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
             ssm_states.index_copy_(0, slots, new_state.to(ssm_states.dtype))

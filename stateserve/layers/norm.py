@@ -27,6 +27,25 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual-stream add and this norm: returns (self(sum.to(weight dtype)), sum) with sum = residual + x
+        in residual's dtype (float32 under residual_in_fp32). On CPU one kernel, which updates `residual` in place
+        and returns it as the sum: the caller must own it (the stream of its own forward)."""
+        # residual, x: [T, hidden]
+        if x.dim() == 2 and x.device.type == "cpu" and residual.is_contiguous() and x.shape == residual.shape \
+                and (residual.dtype, x.dtype, self.weight.dtype) in _ADD_NORM_DTYPES:
+            kernels = cpu_kernels.load()
+            if kernels is not None:
+                return kernels.add_rms_norm_(residual, x, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual.to(self.weight.dtype)), residual
+
+
+_f32, _bf16 = torch.float32, torch.bfloat16
+# (residual, x, weight) dtypes that add_rms_norm_ takes: plain float32 or bfloat16 streams, and a float32 stream
+# of a bfloat16 model (residual_in_fp32)
+_ADD_NORM_DTYPES = {(_f32, _f32, _f32), (_bf16, _bf16, _bf16), (_f32, _bf16, _bf16)}
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""

@@ -72,9 +72,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, meta, rope_lens):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rope_lens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMetadata,
+                rope_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] the previous layer's MLP output (the embeddings for the first layer, residual None);
+        residual: the stream so far. -> (this layer's MLP output, the stream before it). Each add to the stream
+        happens with the norm that follows it, in one kernel."""
+        if residual is None:
+            residual = x.clone()  # the stream is updated in place
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, meta, rope_lens)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,9 +115,10 @@ class LlamaForCausalLM(ModelBase):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope_lens = rope_seq_lens(meta.attn, x.device) if self.dynamic_rope else None
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, meta.attn, rope_lens)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, meta.attn, rope_lens)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in name:

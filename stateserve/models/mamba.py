@@ -34,11 +34,17 @@ class MambaBlock(nn.Module):
             use_bias=cfg.use_bias, bcdt_norm=bcdt_norm, rms_eps=mixer_eps, dtype=dtype,
             activation=getattr(cfg, "hidden_act", "silu"))
 
-    def forward(self, hidden: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        # hidden: [T, hidden_size] in the model dtype (first block) or float32 (residual_in_fp32)
-        residual = hidden.float() if self.residual_in_fp32 else hidden
-        mixed = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), meta)
-        return residual + mixed
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: StateMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden_size] the previous block's mixer output (the embeddings for the first block, residual
+        None); residual: the stream so far, float32 with residual_in_fp32. -> (this mixer's output, the stream
+        including x): the add happens here, fused with the norm."""
+        if residual is None:
+            residual = x.float() if self.residual_in_fp32 else x.clone()  # the stream is updated in place
+            normed = self.norm(x.to(self.norm.weight.dtype))
+        else:
+            normed, residual = self.norm.add_forward(x, residual)
+        return self.mixer(normed, meta), residual
 
 
 class MambaBackbone(nn.Module):
@@ -74,11 +80,12 @@ class MambaForCausalLM(ModelBase):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         if meta.state is None:
             raise RuntimeError(f"{type(self).__name__} needs StateMetadata (a recurrent model state)")
-        hidden = self.backbone.embeddings(input_ids)  # [T, hidden]
+        x = self.backbone.embeddings(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.backbone.layers:
-            hidden = layer(hidden, meta.state)
+            x, residual = layer(x, residual, meta.state)
         # transformers normalises the (possibly float32) stream, then casts to the head's dtype
-        return self.backbone.norm_f(hidden).to(self.lm_head.weight.dtype)
+        return self.backbone.norm_f(residual + x).to(self.lm_head.weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))

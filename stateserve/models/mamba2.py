@@ -37,11 +37,17 @@ class Mamba2Block(nn.Module):
         self.mixer = mamba2_mixer_from_config(cfg, dtype)
         self.residual_in_fp32 = bool(cfg.residual_in_fp32)
 
-    def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        # x: [T, hidden], model dtype or float32 (residual stream)
-        residual = x.float() if self.residual_in_fp32 else x
-        mixed = self.mixer(self.norm(x.to(self.norm.weight.dtype)), meta)
-        return residual + mixed
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: StateMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] the previous block's mixer output (the embeddings for the first block, residual None);
+        residual: the stream so far, float32 with residual_in_fp32. -> (this mixer's output, the stream including x).
+        The add x + residual happens here, fused with the norm, rather than at the end of the previous block."""
+        if residual is None:
+            residual = x.float() if self.residual_in_fp32 else x.clone()  # the stream is updated in place
+            normed = self.norm(x.to(self.norm.weight.dtype))
+        else:
+            normed, residual = self.norm.add_forward(x, residual)
+        return self.mixer(normed, meta), residual
 
 
 class Mamba2Backbone(nn.Module):
@@ -67,9 +73,11 @@ class Mamba2ForCausalLM(ModelBase):
         if meta.state is None:
             raise RuntimeError("Mamba2ForCausalLM needs state metadata (ForwardMeta.state)")
         x = self.backbone.embeddings(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.backbone.layers:
-            x = layer(x, meta.state)
-        return self.backbone.norm_f(x)  # [T, hidden]; float32 when residual_in_fp32
+            x, residual = layer(x, residual, meta.state)
+        # norm_f sees the float32 stream itself (not cast to the model dtype), as in transformers
+        return self.backbone.norm_f(residual + x)  # [T, hidden]; float32 when residual_in_fp32
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))

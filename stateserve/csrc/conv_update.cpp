@@ -1,0 +1,208 @@
+// The conv of one decode token for Mamba-style layers: each sequence's depthwise causal conv over its last K
+// inputs, shifting the conv state in place. A decode step runs it once per layer, so its cost is mostly reading
+// the 16-channel windows, which the state keeps channel-major ([C, K-1]).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <array>
+#include <cstring>
+#include <type_traits>
+#include "simd.h"
+
+namespace {
+
+using stateserve_simd::round_to;
+using stateserve_simd::rows_grain;
+using stateserve_simd::silu_rounded;
+// conv1d_update_ for 16 consecutive channels of one sequence: the windows are read into a transposed float32 tile,
+// then products and sums (rounded as the scalar path rounds them) run 16 channels at a time. Returns false when
+// this dtype or window size has no vector path (the caller then runs the scalar loop).
+template <typename T>
+bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, bool has_bias, int64_t ldw,
+                      int64_t W, bool float_accumulate, T* y, float* y_silu) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    constexpr int64_t kMaxW = 8;
+    if (W > kMaxW) return false;
+    alignas(64) float win[kMaxW][16];
+    for (int j = 0; j < 16; ++j)
+      for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k <= W; ++k) {
+      const __m512 v = k < W ? _mm512_load_ps(win[k]) : load16(x);
+      const __m512 prod = _mm512_mul_ps(v, _mm512_loadu_ps(wt + k * ldw));
+      acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+    }
+    const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
+    if (y_silu != nullptr)
+      _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
+    else
+      store16(y, out);
+    return true;
+  }
+#endif
+  return false;
+}
+
+
+#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+// bfloat16 windows of at most 4 inputs (conv kernels up to 5): the 16 channels' windows are 16 * W <= 64
+// consecutive words, two registers. One word permutation puts them window-major (16 channels per window: one
+// vector per tap) and another puts the shifted windows back, instead of 16 * W scalar conversions in and a
+// memmove plus 16 scalar stores out (~100 ns a block of 16 channels, ~11 us of Mamba2-base's 112 blocks).
+struct WindowPermutes {
+  __m512i to_taps[2];      // words 32c..32c+31 of the window-major order (16 per tap), from the channel-major ones
+  __m512i to_channels[2];  // and back
+};
+
+inline const WindowPermutes& window_permutes(int64_t W) {
+  static const std::array<WindowPermutes, 5> tables = [] {
+    std::array<WindowPermutes, 5> t{};
+    for (int w = 1; w <= 4; ++w)
+      for (int c = 0; c < 2; ++c) {
+        alignas(64) uint16_t taps[32], channels[32];
+        for (int i = 0; i < 32; ++i) {
+          const int out = 32 * c + i;
+          taps[i] = out / 16 < w ? static_cast<uint16_t>((out % 16) * w + out / 16) : 0;  // tap k, channel j
+          channels[i] = out < 16 * w ? static_cast<uint16_t>((out % w) * 16 + out / w) : 0;
+        }
+        t[w].to_taps[c] = _mm512_load_si512(taps);
+        t[w].to_channels[c] = _mm512_load_si512(channels);
+      }
+    return t;
+  }();
+  return tables[W];
+}
+
+inline __mmask32 first_words(int64_t n) {
+  return n <= 0 ? 0 : n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1u);
+}
+
+inline __m512 widen_bf16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The conv of 16 channels and their window shift, as conv_update_simd plus the caller's shift compute them.
+bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, const float* wt, const float* bias,
+                                   int64_t ldw, int64_t W, bool float_accumulate, at::BFloat16* y, float* y_silu) {
+  using namespace stateserve_simd;
+  if (W < 1 || W > 4) return false;
+  using T = at::BFloat16;
+  auto* words = reinterpret_cast<uint16_t*>(rows);
+  const int64_t n = 16 * W;
+  const __m512i lo = _mm512_maskz_loadu_epi16(first_words(n), words);
+  const __m512i hi = _mm512_maskz_loadu_epi16(first_words(n - 32), words + 32);
+  const WindowPermutes& perm = window_permutes(W);
+  const __m512i taps01 = _mm512_permutex2var_epi16(lo, perm.to_taps[0], hi);  // windows' inputs 0 and 1
+  const __m512i taps23 = _mm512_permutex2var_epi16(lo, perm.to_taps[1], hi);  // 2 and 3
+  __m256i tap[5] = {};
+  tap[0] = _mm512_castsi512_si256(taps01);
+  tap[1] = _mm512_extracti64x4_epi64(taps01, 1);
+  tap[2] = _mm512_castsi512_si256(taps23);
+  tap[3] = _mm512_extracti64x4_epi64(taps23, 1);
+  tap[W] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // the new input is the last tap
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k <= W; ++k) {
+    const __m512 prod = _mm512_mul_ps(widen_bf16(tap[k]), _mm512_loadu_ps(wt + k * ldw));
+    acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
+  if (y_silu != nullptr)
+    _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
+  else
+    store16(y, out);
+  // shifted windows: inputs 1..W (tap[W] is the new one), back to channel-major
+  const __m512i next01 = _mm512_inserti64x4(_mm512_castsi256_si512(tap[1]), tap[2], 1);
+  const __m512i next23 = _mm512_inserti64x4(_mm512_castsi256_si512(tap[3]), tap[4], 1);
+  _mm512_mask_storeu_epi16(words, first_words(n), _mm512_permutex2var_epi16(next01, perm.to_channels[0], next23));
+  if (n > 32)
+    _mm512_mask_storeu_epi16(words + 32, first_words(n - 32),
+                             _mm512_permutex2var_epi16(next01, perm.to_channels[1], next23));
+  return true;
+}
+#endif
+
+}  // namespace
+
+// Depthwise causal conv over the last K inputs of each sequence, shifting the conv state in place.
+// conv_state: [num_slots, C, K-1]; x: [S, C], conv_state's dtype; taps: the conv weight as float32 [K, C] (transposed,
+// so 16 channels' taps are one vector load; the caller caches it per weight version); bias: [C] float32 holding
+// values of x's dtype, or empty.
+// float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
+// expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
+// silu_float32: return silu(y) (rounded to x's dtype, as F.silu on y would) as float32, for the state update.
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
+  TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type(),
+              "conv1d_update_: conv_state and x must share a dtype (conv_state contiguous)");
+  TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.dim() == 2 && taps.is_contiguous(),
+              "conv1d_update_: taps must be contiguous float32 [K, C]");
+  x = x.contiguous();
+  auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
+  const int64_t S = x.size(0), C = x.size(1), K = taps.size(0), W = conv_state.size(2);
+  TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && taps.size(1) == C, "conv1d_update_: shapes do not agree");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == C && bias->is_contiguous(),
+                "conv1d_update_: bias must be contiguous float32 [C]");
+  auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
+  const float* wtp = taps.data_ptr<float>();
+  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
+  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
+    scalar_t* st = conv_state.data_ptr<scalar_t>();
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t* sl = slot_ids.data_ptr<int64_t>();
+    scalar_t* yp = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
+    float* yfp = silu_float32 ? y.data_ptr<float>() : nullptr;
+    at::parallel_for(0, S * num_blocks, rows_grain(kBlock * K, 8), [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
+        const int64_t n = std::min(kBlock, C - c0);
+        scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
+        const scalar_t* xs = xp + s * C + c0;
+#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // (the casts only make other dtypes compile)
+          using bf = at::BFloat16;
+          if (n == kBlock &&
+              conv_update_bf16_small_window(reinterpret_cast<bf*>(rows), reinterpret_cast<const bf*>(xs), wtp + c0,
+                                            has_bias ? bias_p + c0 : nullptr, C, W, float_accumulate,
+                                            yp ? reinterpret_cast<bf*>(yp) + s * C + c0 : nullptr,
+                                            yfp ? yfp + s * C + c0 : nullptr))
+            continue;  // conv and shift done
+        }
+#endif
+        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, has_bias,
+                                                      C, W, float_accumulate,
+                                                      yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* row = rows + j * W;
+            float acc = 0.f;
+            for (int64_t k = 0; k <= W; ++k) {
+              const float v = static_cast<float>(k < W ? row[k] : xs[j]);
+              const float prod = v * wtp[k * C + c0 + j];
+              acc += float_accumulate ? prod : round_to<scalar_t>(prod);
+            }
+            const float bias_v = has_bias ? bias_p[c0 + j] : 0.f;
+            const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
+            if (yfp != nullptr) {
+              yfp[s * C + c0 + j] = silu_rounded<scalar_t>(out);
+            } else {
+              yp[s * C + c0 + j] = static_cast<scalar_t>(out);
+            }
+          }
+        }
+        if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
+          // one move of the whole run, then each window's last element (which got the next window's first) is set
+          std::memmove(rows, rows + 1, (n * W - 1) * sizeof(scalar_t));
+          for (int64_t j = 0; j < n; ++j) rows[j * W + W - 1] = xs[j];
+        }
+      }
+    });
+  });
+  return y;
+}
+
