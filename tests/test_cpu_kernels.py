@@ -263,6 +263,19 @@ def test_rotary_in_place_matches_pytorch(dtype, rotary_dim, no_kernels):
     assert torch.equal(qkv[:, :64].view(5, 4, 16), got_q)  # rotated in place
     assert not torch.equal(qkv[1:, :64], original[1:, :64])  # positions > 0 really rotate
     assert torch.equal(qkv[:, 96:], original[:, 96:])  # v untouched
+    # a later step past the grown table: the kernel declines, the table grows again, nothing is rotated twice
+    table_rows = rope._table.shape[0]
+    q2, k2 = torch.randn(1, 4, 16, generator=g).to(dtype), torch.randn(1, 2, 16, generator=g).to(dtype)
+    far = torch.tensor([table_rows + 10])
+    no_kernels(False)
+    ref_q2, ref_k2 = rope(far, q2.clone(), k2.clone())
+    no_kernels(True)
+    got_q2, got_k2 = rope(far, q2, k2)
+    assert rope._table.shape[0] > table_rows
+    _close(got_q2, ref_q2, tol)
+    _close(got_k2, ref_k2, tol)
+    with pytest.raises(RuntimeError, match="negative position"):
+        kernels.rotary_(q2, k2, rope._table, torch.tensor([-1]), rope.dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,7 +23,7 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
+bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                              bool silu_float32);

@@ -192,7 +192,9 @@ torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::op
 // Rotate-half rotary embedding applied in place to q [T, H, D] and k [T, KH, D] (unit stride inside a token's
 // heads; any token stride, so views into the fused qkv output work). table: [max_pos, rotary_dim] float32, cos
 // then sin halves; positions: [T] int64. As the PyTorch path: float32 products, rounded once to x's dtype.
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim) {
+// Returns false, changing nothing, when a position is past the table (the caller grows it and calls again): checking
+// here costs nothing, while the caller's positions.max() was a few microseconds a layer in every decode step.
+bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == k.scalar_type(), "rotary_: q, k [T, heads, D]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
               "rotary_: heads must be contiguous within a token");
@@ -200,7 +202,12 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tenso
               "rotary_: float32 table [max_pos, rotary_dim]");
   auto pos = positions.to(at::kLong).contiguous();
   const int64_t T = q.size(0), half = rotary_dim / 2;
+  TORCH_CHECK(pos.numel() == T, "rotary_: one position per token");
   const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0, "rotary_: negative position ", pp[t]);
+    if (pp[t] >= table.size(0)) return false;
+  }
   const float* tp = table.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary_", [&] {
     auto apply = [&](scalar_t* base, int64_t token_stride, int64_t heads, int64_t D) {
@@ -222,6 +229,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tenso
     apply(q.data_ptr<scalar_t>(), q.stride(0), q.size(1), q.size(2));
     apply(k.data_ptr<scalar_t>(), k.stride(0), k.size(1), k.size(2));
   });
+  return true;
 }
 
 // silu(gate) * up for x = [gate | up] of shape [M, 2I], rounded as F.silu(gate) * up in x's dtype.

@@ -94,8 +94,11 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None and not self._dynamic_scaling(seq_lens_per_token) and \
                 q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and self.dim % 2 == 0 and \
                 _heads_contiguous(q) and _heads_contiguous(k):
-            self._ensure_table(positions)
-            kernels.rotary_(q, k, self._table, positions, self.dim)  # in place, one pass over q and k
+            # in place, one pass over q and k; False (nothing done) when a position is past the table
+            if self._table is None or not kernels.rotary_(q, k, self._table, positions, self.dim):
+                self._ensure_table(positions)
+                if not kernels.rotary_(q, k, self._table, positions, self.dim):
+                    raise RuntimeError("rotary table does not cover the positions")
             return q, k
         cos, sin = self._cos_sin(positions, seq_lens_per_token)  # [T, dim/2] float32
         cos = torch.cat([cos, cos], dim=-1)[:, None, :]
