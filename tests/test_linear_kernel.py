@@ -43,11 +43,13 @@ def test_kernel_is_batch_invariant_and_takes_strided_rows(dtype):
         pytest.skip(f"no kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(13, 2 * 96, generator=g).to(dtype)[:, ::2]  # rows with a stride, not unit column stride
-    w = torch.randn(50, 96, generator=g).to(dtype)
-    full = kernels.fast_linear(x, w, None)
-    for i in range(x.shape[0]):  # each row alone gives bit-identical outputs: results do not depend on batching
-        assert torch.equal(kernels.fast_linear(x[i:i + 1], w, None), full[i:i + 1])
-    assert _rel_err(full, x, w, None) < TOL[dtype]
+    w = torch.randn(50, 96, generator=g).to(dtype)  # 50 outputs: six 8-row tiles of the one-row path, and a rest
+    b = torch.randn(50, generator=g).to(dtype)
+    for bias in (None, b):
+        full = kernels.fast_linear(x, w, bias)
+        for i in range(x.shape[0]):  # each row alone gives bit-identical outputs: results do not depend on batching
+            assert torch.equal(kernels.fast_linear(x[i:i + 1], w, bias), full[i:i + 1])
+        assert _rel_err(full, x, w, bias) < TOL[dtype]
 
 
 def test_kernel_rejects_bad_shapes():

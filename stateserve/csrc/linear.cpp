@@ -34,6 +34,32 @@ constexpr int kWideNR = 8;
 constexpr int kRowPrefetchRows = 32;
 
 #if SS_HAVE_AVX512
+// The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of
+// _mm512_reduce_add_ps (halves, then quarters, then the 4 lanes as (l0 + l2) + (l1 + l3)), which the tiles of
+// several rows use: a row's outputs do not depend on which path computed them. One transpose-and-add tree
+// instead of 8 separate reductions: with one row of x (12 KB of bfloat16 W per 8 rows at K = 768) the 8
+// reductions and scalar stores were ~15% of the tile's instructions, and the kernel issues its loads that much
+// later.
+inline __m256 reduce8_ps(const __m512* v) {
+  __m512 halves[4];
+  for (int j = 0; j < 4; ++j)  // [v(2j) lo + hi | v(2j+1) lo + hi]
+    halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  // 128-bit quarter q of lo: the 4 partial sums of v[q]; of hi: of v[4 + q]
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                                  _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2], halves[3], 0x88),
+                                  _mm512_shuffle_f32x4(halves[2], halves[3], 0xDD));
+  // per quarter: [lo0 + lo2, hi0 + hi2, lo1 + lo3, hi1 + hi3], then lane 0 + lane 2 and lane 1 + lane 3
+  const __m512 pairs = _mm512_add_ps(_mm512_unpacklo_ps(lo, hi), _mm512_unpackhi_ps(lo, hi));
+  const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0x4E));
+  // lane 4q: sum of v[q], lane 4q + 1: sum of v[4 + q]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+}
+#endif
+
+#if SS_HAVE_AVX512
 // float32: 16 lanes of k per step.
 template <int MR, int NR, int PF_HINT = _MM_HINT_T0>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
@@ -61,6 +87,11 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
+  }
+  if constexpr (MR == 1 && NR == 8) {
+    const __m256 sums = reduce8_ps(acc[0]);
+    _mm256_storeu_ps(out, bias ? _mm256_add_ps(sums, _mm256_loadu_ps(bias)) : sums);
+    return;
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
@@ -97,6 +128,19 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * ldx + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
+  }
+  if constexpr (MR == 1 && NR == 8) {
+    __m256 sums = reduce8_ps(acc[0]);
+    if (bias) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bias));
+      sums = _mm256_add_ps(sums, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+    }
+    // round to nearest even, as the static_cast below (NaN aside)
+    __m256i bits = _mm256_castps_si256(sums);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtepi32_epi16(bits));
+    return;
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
