@@ -17,7 +17,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 class EngineConfig:
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"
+    dtype: str | torch.dtype = "auto"  # a torch.dtype is taken as its name, as vLLM does
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     max_model_len: int | None = None
@@ -44,6 +44,11 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             bad("model must be a path to a Hugging Face model folder")
+        if isinstance(self.dtype, torch.dtype):
+            name = next((n for n, d in _DTYPES.items() if d == self.dtype), None)
+            if name is None:
+                bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+            object.__setattr__(self, "dtype", name)  # frozen: normalised once, here
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             bad(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

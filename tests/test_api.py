@@ -173,6 +173,19 @@ def test_unknown_keywords_raise_type_error(model_dir):
         LLM(model_dir[1], not_an_arg=3)
 
 
+def test_dtype_given_as_torch_dtype_or_name():
+    import torch
+
+    from stateserve.config import EngineConfig
+
+    assert EngineConfig(model="m", dtype=torch.bfloat16).dtype == "bfloat16"  # vLLM takes torch dtypes too
+    assert EngineConfig(model="m", dtype=torch.float32).dtype == "float32"
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or float16, got torch.int8"):
+        EngineConfig(model="m", dtype=torch.int8)
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        EngineConfig(model="m", dtype="fp8")
+
+
 def test_generate_after_shutdown_raises(model_dir):
     llm = LLM(model_dir[1], skip_tokenizer_init=True)
     llm.shutdown()
