@@ -27,11 +27,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    stream_float32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual-stream add and this norm: returns (self(sum.to(weight dtype)), sum) with sum = residual + x
         in residual's dtype (float32 under residual_in_fp32). On CPU one kernel, which updates `residual` in place
-        and returns it as the sum: the caller must own it (the stream of its own forward)."""
+        and returns it as the sum: the caller must own it (the stream of its own forward). residual None (the first
+        block): the stream starts as a copy of x, in float32 when stream_float32."""
         # residual, x: [T, hidden]
+        if residual is None:
+            residual = x.float() if stream_float32 and x.dtype != torch.float32 else x.clone()
+            return self(x.to(self.weight.dtype)), residual
         if x.dim() == 2 and x.device.type == "cpu" and residual.is_contiguous() and x.shape == residual.shape \
                 and (residual.dtype, x.dtype, self.weight.dtype) in _ADD_NORM_DTYPES:
             kernels = cpu_kernels.load()

@@ -77,11 +77,7 @@ class DecoderLayer(nn.Module):
         """x: [T, hidden] the previous layer's MLP output (the embeddings for the first layer, residual None);
         residual: the stream so far. -> (this layer's MLP output, the stream before it). Each add to the stream
         happens with the norm that follows it, in one kernel."""
-        if residual is None:
-            residual = x.clone()  # the stream is updated in place
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, meta, rope_lens)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual

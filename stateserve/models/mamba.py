@@ -39,11 +39,7 @@ class MambaBlock(nn.Module):
         """x: [T, hidden_size] the previous block's mixer output (the embeddings for the first block, residual
         None); residual: the stream so far, float32 with residual_in_fp32. -> (this mixer's output, the stream
         including x): the add happens here, fused with the norm."""
-        if residual is None:
-            residual = x.float() if self.residual_in_fp32 else x.clone()  # the stream is updated in place
-            normed = self.norm(x.to(self.norm.weight.dtype))
-        else:
-            normed, residual = self.norm.add_forward(x, residual)
+        normed, residual = self.norm.add_forward(x, residual, stream_float32=self.residual_in_fp32)
         return self.mixer(normed, meta), residual
 
 
