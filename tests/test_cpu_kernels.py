@@ -380,6 +380,23 @@ def test_conv_update_with_fused_silu_matches_pytorch(dtype, no_kernels):
     assert float(got.min()) > -0.3  # silu's floor (~-0.28): the activation really is applied
 
 
+def test_float32_copies_follow_parameter_writes():
+    from stateserve.layers.param_cache import float32_copy
+
+    lin = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    first = float32_copy(lin, "bias")
+    assert first.dtype == torch.float32 and torch.equal(first, lin.bias.float())
+    assert float32_copy(lin, "bias") is first  # made once
+    with torch.no_grad():
+        lin.bias.add_(1.0)  # written in place (a checkpoint load): a new copy
+    second = float32_copy(lin, "bias")
+    assert torch.equal(second, lin.bias.float()) and not torch.equal(second, first)
+    lin.bias = torch.nn.Parameter(torch.full((3,), 7.0, dtype=torch.bfloat16))  # replaced
+    assert torch.equal(float32_copy(lin, "bias"), torch.full((3,), 7.0))
+    lin32 = torch.nn.Linear(4, 3)
+    assert float32_copy(lin32, "weight").data_ptr() == lin32.weight.data_ptr()  # float32: no copy at all
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_update_with_cached_layer_taps_follows_weight_loads(dtype, no_kernels):
     """A Mamba2 mixer hands the kernel its conv weights pre-transposed to float32 and cached per weight version;

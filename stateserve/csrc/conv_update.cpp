@@ -13,38 +13,50 @@ namespace {
 using stateserve_simd::round_to;
 using stateserve_simd::rows_grain;
 using stateserve_simd::silu_rounded;
-// conv1d_update_ for 16 consecutive channels of one sequence: the windows are read into a transposed float32 tile,
-// then products and sums (rounded as the scalar path rounds them) run 16 channels at a time. Returns false when
-// this dtype or window size has no vector path (the caller then runs the scalar loop).
+#if defined(__AVX512F__)
+// The conv output of 16 channels from their W + 1 inputs, one float32 vector per tap (tap[W]: the new input):
+// products and sums rounded as the scalar path rounds them; bias: 16 float32 values or nullptr; the output goes to
+// y (T) or, with its SiLU, to y_silu (float32).
 template <typename T>
-bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, bool has_bias, int64_t ldw,
-                      int64_t W, bool float_accumulate, T* y, float* y_silu) {
+inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int64_t ldw, const float* bias,
+                             bool float_accumulate, T* y, float* y_silu) {
+  using namespace stateserve_simd;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k <= W; ++k) {
+    const __m512 prod = _mm512_mul_ps(tap[k], _mm512_loadu_ps(wt + k * ldw));
+    acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
+  if (y_silu != nullptr)
+    _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
+  else
+    store16(y, out);
+}
+#endif
+
+// conv1d_update_ for 16 consecutive channels of one sequence: the windows are read into one float32 vector per
+// tap, then conv_16_channels. Returns false when this dtype or window size has no vector path (the caller then
+// runs the scalar loop).
+template <typename T>
+bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, int64_t ldw, int64_t W,
+                      bool float_accumulate, T* y, float* y_silu) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-    using namespace stateserve_simd;
     constexpr int64_t kMaxW = 8;
     if (W > kMaxW) return false;
     alignas(64) float win[kMaxW][16];
     for (int j = 0; j < 16; ++j)
       for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k <= W; ++k) {
-      const __m512 v = k < W ? _mm512_load_ps(win[k]) : load16(x);
-      const __m512 prod = _mm512_mul_ps(v, _mm512_loadu_ps(wt + k * ldw));
-      acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
-    }
-    const __m512 b = has_bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-    if (y_silu != nullptr)
-      _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
-    else
-      store16(y, out);
+    __m512 tap[kMaxW + 1];
+    for (int64_t k = 0; k < W; ++k) tap[k] = _mm512_load_ps(win[k]);
+    tap[W] = stateserve_simd::load16(x);
+    conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y, y_silu);
     return true;
   }
 #endif
   return false;
 }
-
 
 #if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
 // bfloat16 windows of at most 4 inputs (conv kernels up to 5): the 16 channels' windows are 16 * W <= 64
@@ -79,16 +91,10 @@ inline __mmask32 first_words(int64_t n) {
   return n <= 0 ? 0 : n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1u);
 }
 
-inline __m512 widen_bf16(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // The conv of 16 channels and their window shift, as conv_update_simd plus the caller's shift compute them.
 bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, const float* wt, const float* bias,
                                    int64_t ldw, int64_t W, bool float_accumulate, at::BFloat16* y, float* y_silu) {
-  using namespace stateserve_simd;
   if (W < 1 || W > 4) return false;
-  using T = at::BFloat16;
   auto* words = reinterpret_cast<uint16_t*>(rows);
   const int64_t n = 16 * W;
   const __m512i lo = _mm512_maskz_loadu_epi16(first_words(n), words);
@@ -96,26 +102,18 @@ bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, co
   const WindowPermutes& perm = window_permutes(W);
   const __m512i taps01 = _mm512_permutex2var_epi16(lo, perm.to_taps[0], hi);  // windows' inputs 0 and 1
   const __m512i taps23 = _mm512_permutex2var_epi16(lo, perm.to_taps[1], hi);  // 2 and 3
-  __m256i tap[5] = {};
-  tap[0] = _mm512_castsi512_si256(taps01);
-  tap[1] = _mm512_extracti64x4_epi64(taps01, 1);
-  tap[2] = _mm512_castsi512_si256(taps23);
-  tap[3] = _mm512_extracti64x4_epi64(taps23, 1);
-  tap[W] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // the new input is the last tap
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k <= W; ++k) {
-    const __m512 prod = _mm512_mul_ps(widen_bf16(tap[k]), _mm512_loadu_ps(wt + k * ldw));
-    acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
-  }
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-  if (y_silu != nullptr)
-    _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
-  else
-    store16(y, out);
-  // shifted windows: inputs 1..W (tap[W] is the new one), back to channel-major
-  const __m512i next01 = _mm512_inserti64x4(_mm512_castsi256_si512(tap[1]), tap[2], 1);
-  const __m512i next23 = _mm512_inserti64x4(_mm512_castsi256_si512(tap[3]), tap[4], 1);
+  __m256i raw[5] = {};  // each tap's 16 words
+  raw[0] = _mm512_castsi512_si256(taps01);
+  raw[1] = _mm512_extracti64x4_epi64(taps01, 1);
+  raw[2] = _mm512_castsi512_si256(taps23);
+  raw[3] = _mm512_extracti64x4_epi64(taps23, 1);
+  raw[W] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // the new input is the last tap
+  __m512 tap[5];
+  for (int64_t k = 0; k <= W; ++k) tap[k] = stateserve_simd::widen_bf16(raw[k]);
+  conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y, y_silu);
+  // shifted windows: inputs 1..W (raw[W] is the new one), back to channel-major
+  const __m512i next01 = _mm512_inserti64x4(_mm512_castsi256_si512(raw[1]), raw[2], 1);
+  const __m512i next23 = _mm512_inserti64x4(_mm512_castsi256_si512(raw[3]), raw[4], 1);
   _mm512_mask_storeu_epi16(words, first_words(n), _mm512_permutex2var_epi16(next01, perm.to_channels[0], next23));
   if (n > 32)
     _mm512_mask_storeu_epi16(words + 32, first_words(n - 32),
@@ -175,9 +173,9 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
             continue;  // conv and shift done
         }
 #endif
-        if (n != kBlock || !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, has_bias,
-                                                      C, W, float_accumulate,
-                                                      yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
+        if (n != kBlock ||
+            !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, C, W, float_accumulate,
+                                        yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* row = rows + j * W;
             float acc = 0.f;

@@ -6,6 +6,7 @@
 // half the memory bandwidth in float32, and bfloat16 GEMV is slower still; decoding is exactly that op.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -129,19 +130,15 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  if constexpr (MR == 1 && NR == 8) {
-    __m256 sums = reduce8_ps(acc[0]);
-    if (bias) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bias));
-      sums = _mm256_add_ps(sums, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
-    }
-    // round to nearest even, as the static_cast below (NaN aside)
-    __m256i bits = _mm256_castps_si256(sums);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtepi32_epi16(bits));
+#if defined(STATESERVE_SIMD_MASKED_16BIT)
+  if constexpr (MR == 1 && NR == 8) {  // the 8 sums in the low lanes; the store rounds as the cast below
+    using namespace stateserve_simd;
+    constexpr __mmask16 kEight = 0xff;
+    const __m512 sums = _mm512_zextps256_ps512(reduce8_ps(acc[0]));
+    store16_masked(out, kEight, bias ? _mm512_add_ps(sums, load16_masked(bias, kEight)) : sums);
     return;
   }
+#endif
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const float b = bias ? static_cast<float>(bias[j]) : 0.f;

@@ -73,9 +73,12 @@ inline __m512 load16(const T* p) {  // any other dtype (double): element by elem
   return _mm512_load_ps(tmp);
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 values (raw 16-bit words in a register) as float32 lanes: exact, a shift into the high half.
+inline __m512 widen_bf16(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -127,8 +130,7 @@ inline void store16(at::BFloat16* p, __m512 v) {
 // to nearest even). For row tails narrower than 16.
 inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16_masked(const at::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
 }
 inline void store16_masked(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16_masked(at::BFloat16* p, __mmask16 m, __m512 v) {

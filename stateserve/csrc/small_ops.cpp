@@ -1,6 +1,6 @@
 // Small per-token ops of a decode step fused into one pass each: at batch sizes of a few tokens, PyTorch spends
-// more time dispatching their 5-10 elementwise kernels (and, for the conv state, gathering and scattering
-// rows) than computing. Rounding follows the PyTorch expressions they replace (see each comment).
+// more time dispatching their 5-10 elementwise kernels than computing. Rounding follows the PyTorch expressions
+// they replace (see each comment).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -26,6 +26,27 @@ float sum_of_squares(const T* row, int64_t n) {
     sq += v * v;
   }
   return sq;
+}
+
+// One row of RMSNorm as transformers rounds it: out[h] = T(w[h] * round_to<T>(in[h] * r)) with r the inverse root
+// mean square of `in` (in == out allowed). Vectors for float32 and bfloat16 (store16 rounds to nearest even, as
+// the cast does), the scalar loop for the rest of the row and other dtypes.
+template <typename T>
+void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
+  const float r = 1.f / std::sqrt(sum_of_squares(in, H) / static_cast<float>(H) + eps);
+  int64_t h = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; h + 16 <= H; h += 16)
+      store16(out + h, _mm512_mul_ps(load16(w + h), round_to_ps<T>(_mm512_mul_ps(load16(in + h), rv))));
+  }
+#endif
+  for (; h < H; ++h) {
+    const float normed = round_to<T>(static_cast<float>(in[h]) * r);
+    out[h] = static_cast<T>(static_cast<float>(w[h]) * normed);
+  }
 }
 
 // The vectorised prefix of one silu_and_mul row (float32 and bfloat16 on AVX-512); returns how many elements it
@@ -59,15 +80,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        const scalar_t* row = xp + m * H;
-        const float sq = sum_of_squares(row, H);
-        const float r = 1.f / std::sqrt(sq / static_cast<float>(H) + static_cast<float>(eps));
-        for (int64_t h = 0; h < H; ++h) {
-          const float normed = round_to<scalar_t>(static_cast<float>(row[h]) * r);
-          op[m * H + h] = static_cast<scalar_t>(static_cast<float>(wp[h]) * normed);
-        }
-      }
+      for (int64_t m = begin; m < end; ++m) rms_norm_row(xp + m * H, wp, op + m * H, H, static_cast<float>(eps));
     });
   });
   return out;
@@ -102,18 +115,7 @@ void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_
         r[h] = sum;
         o[h] = static_cast<W>(static_cast<float>(sum));  // the cast to the norm's dtype, as .to() does
       }
-      const float sq = sum_of_squares(o, H);  // on the same W values as rms_norm would see: same sum
-      const float rs = 1.f / std::sqrt(sq / static_cast<float>(H) + eps);
-      h = 0;
-#if defined(__AVX512F__)
-      const __m512 rsv = _mm512_set1_ps(rs);
-      for (; h + 16 <= H; h += 16)
-        store16(o + h, _mm512_mul_ps(load16(w + h), round_to_ps<W>(_mm512_mul_ps(load16(o + h), rsv))));
-#endif
-      for (; h < H; ++h) {
-        const float normed = round_to<W>(static_cast<float>(o[h]) * rs);
-        o[h] = static_cast<W>(static_cast<float>(w[h]) * normed);
-      }
+      rms_norm_row(o, w, o, H, eps);  // on the W values rms_norm(residual.to(W)) would see
     }
   });
 }

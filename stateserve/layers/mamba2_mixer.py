@@ -62,7 +62,8 @@ class GatedRMSNorm(nn.Module):
                 gate.dtype in (torch.float32, torch.bfloat16):
             kernels = cpu_kernels.load()
             if kernels is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
-                return kernels.gated_rms_norm(y, gate, float32_copy(self, "weight"), self.group_size, self.eps, self.norm_before_gate)
+                return kernels.gated_rms_norm(y, gate, float32_copy(self, "weight"), self.group_size, self.eps,
+                                              self.norm_before_gate)
         dtype = gate.dtype
         h = y.float()
         if not self.norm_before_gate:
@@ -240,8 +241,8 @@ class Mamba2Mixer(StatefulLayer):
         that many tokens}) for the sorted `offsets`, whose last entry is L."""
         kernels = cpu_kernels.load() if x.device.type == "cpu" else None
         if kernels is not None:  # sequential recurrence: fewer FLOPs than the chunked form on a CPU
-            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), float32_copy(self, "D"), initial,
-                                                   offsets[:-1])
+            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), float32_copy(self, "D"),
+                                                   initial, offsets[:-1])
             return y, {**{off: snaps[j] for j, off in enumerate(offsets[:-1])}, offsets[-1]: final}
         # Chunked SSD; requested snapshots split it into segments, each resuming from the previous one's state.
         y = x.new_empty(x.shape, dtype=torch.float32)
@@ -294,7 +295,8 @@ class Mamba2Mixer(StatefulLayer):
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
         kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
         if kernels is not None and ssm_states.dtype in (torch.float32, torch.bfloat16):
-            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, float32_copy(self, "D"))  # in place, [S', H, P]
+            # in place, [S', H, P]
+            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, float32_copy(self, "D"))
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
             ssm_states.index_copy_(0, slots, new_state.to(ssm_states.dtype))

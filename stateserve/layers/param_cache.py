@@ -1,22 +1,30 @@
-"""Float32 copies of small parameters that a decode step's kernels read in float32 (step-size biases, D skips,
-norm weights): converting them on every call cost a copy each (a few microseconds, as much as the kernel's own
-work for one token), so each is made once per weight version and reused."""
+"""Tensors derived from a module's parameters that a decode step's kernels read in another form (float32 step-size
+biases, D skips and norm weights, -exp(A_log), transposed conv taps): computing them on every call cost a copy or
+a few ops each (a few microseconds, as much as a kernel's own work for one token), so each is made once per
+weight version and reused."""
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 
+def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor | None, ...], make: Callable[[], Any]) -> Any:
+    """`make()`, cached on `owner` under `name` until one of `sources` (the parameters it is made from; None for an
+    absent one) is written in place (its version changes) or replaced (its storage changes)."""
+    key = tuple(None if t is None else (t._version, t.data_ptr()) for t in sources)
+    cache: dict[str, tuple[tuple, Any]] = owner.__dict__.setdefault("_derived_params", {})
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        hit = (key, make())
+        cache[name] = hit
+    return hit[1]
+
+
 def float32_copy(owner: nn.Module, name: str) -> torch.Tensor:
-    """owner.<name> as a contiguous float32 tensor (the parameter itself when it already is one). The copy is
-    remade when the parameter is written in place (its version changes) or replaced (its storage changes)."""
+    """owner.<name> as a contiguous float32 tensor (the parameter itself when it already is one)."""
     param = getattr(owner, name)
     if param.dtype == torch.float32 and param.is_contiguous():
         return param.detach()
-    cache: dict[str, tuple[tuple[int, int], torch.Tensor]] = owner.__dict__.setdefault("_float32_copies", {})
-    key = (param._version, param.data_ptr())
-    hit = cache.get(name)
-    if hit is None or hit[0] != key:
-        hit = (key, param.detach().float().contiguous())
-        cache[name] = hit
-    return hit[1]
+    return derived(owner, f"float32 {name}", (param,), lambda: param.detach().float().contiguous())

@@ -14,6 +14,7 @@ from torch import nn
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import StateMetadata
+from stateserve.layers.param_cache import derived
 
 
 class StatefulLayer(nn.Module):
@@ -22,28 +23,23 @@ class StatefulLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.states: dict[str, torch.Tensor] | None = None
-        self._neg_exp_a: tuple[tuple[int, int], torch.Tensor] | None = None  # ((version, data_ptr), -exp(A_log))
-        self._conv_taps: tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def neg_exp_A(self) -> torch.Tensor:
         """-exp(A_log) in float32, for layers with an `A_log` parameter (Mamba, Mamba2, gated delta net). It is on
         every step's path, so it is computed once per weight version (loading a checkpoint in place bumps it)."""
-        key = (self.A_log._version, self.A_log.data_ptr())
-        if self._neg_exp_a is None or self._neg_exp_a[0] != key:
-            self._neg_exp_a = (key, -torch.exp(self.A_log.detach().float()))
-        return self._neg_exp_a[1]
+        A_log = self.A_log
+        return derived(self, "neg_exp_A", (A_log,), lambda: -torch.exp(A_log.detach().float()))
 
     def conv_taps(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This layer's `conv1d` as the decode kernel reads it: taps float32 [K, C] and the bias as float32 values of
         the weight's dtype (or None). Cached per weight version like `neg_exp_A`: converting and transposing them
         on every call cost more than the conv of a one-token step."""
         weight, bias = self.conv1d.weight, self.conv1d.bias
-        key = (weight._version, weight.data_ptr(), None if bias is None else (bias._version, bias.data_ptr()))
-        if self._conv_taps is None or self._conv_taps[0] != key:
+
+        def make() -> tuple[torch.Tensor, torch.Tensor | None]:
             taps = weight.detach().squeeze(1).float().t().contiguous()
-            bias_f = None if bias is None else bias.detach().to(weight.dtype).float().contiguous()
-            self._conv_taps = (key, (taps, bias_f))
-        return self._conv_taps[1]
+            return taps, None if bias is None else bias.detach().to(weight.dtype).float().contiguous()
+        return derived(self, "conv_taps", (weight, bias), make)
 
     def cache_spec(self) -> StateSpec:
         raise NotImplementedError
