@@ -136,6 +136,43 @@ def engine_kwargs(engine: str, args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def run_one(engine: str, kind: str, dtype: str, job: dict, args: argparse.Namespace, pythons: dict,
+            log_dir: str, round_index: int) -> tuple[dict, str | None]:
+    """One engine process over every workload -> (its result, why it could not run or None)."""
+    try:
+        engine_job = dict(job, engine_kwargs=engine_kwargs(engine, args))
+        if engine == "llamacpp":
+            engine_job["gguf"] = convert_gguf(job["model"], dtype, args)
+            engine_job["llamacpp_kv_unified"] = args.llamacpp_kv_unified == "on"
+        suffix = f"-round{round_index + 1}" if round_index else ""
+        log_path = os.path.join(log_dir, f"{kind}-{dtype}-{engine}{suffix}.log")
+        preload = vllm_preload(args.vllm_python, args.vllm_preload) if engine == "vllm" else ""
+        result = run_engine(engine, engine_job, pythons[engine], log_path, args.timeout, preload)
+        if preload:
+            result["ld_preload"] = preload
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+        return {"workloads": {}}, f"{type(e).__name__}: {e}"
+    if result.get("error"):
+        print(f"    {engine}: {result['error']}", flush=True)
+    return result, None
+
+
+def merge_fastest(old: dict, new: dict, workloads: list[str]) -> dict:
+    """Per workload, the faster of two rounds' entries (an entry with an error or short requests never wins)."""
+    def speed(entry: dict | None) -> float:
+        if not entry or entry.get("error") or entry.get("short_requests") or not entry.get("elapsed_s"):
+            return 0.0
+        return 1.0 / entry["elapsed_s"]  # the same workload in both: less time is more tokens/s
+    merged = dict(old, workloads=dict(old.get("workloads", {})))
+    for name in workloads:
+        entry, rounds = new.get("workloads", {}).get(name), old.get("workloads", {}).get(name, {}).get("rounds", 1)
+        if entry is not None and speed(entry) > speed(merged["workloads"].get(name)):
+            merged["workloads"][name] = entry
+        if name in merged["workloads"]:
+            merged["workloads"][name] = dict(merged["workloads"][name], rounds=rounds + 1)
+    return merged
+
+
 def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespace, limits: dict,
               log_dir: str) -> list[dict]:
     folder = model_folder(kind, args.size)
@@ -148,26 +185,30 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
     pythons = {"stateserve": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python,
                "llamacpp": args.llamacpp_python}
     roof = machine_limits.decode_roofline(folder, dtype, limits)
+    results: dict[str, dict] = {}
+    reasons: dict[str, str | None] = {}
+    for round_index in range(args.rounds):
+        # Later rounds run the engines in reverse order (and only --round-engines): each engine is timed at other
+        # moments of the run, so a slow spell of the machine does not land on one engine alone.
+        order = engines if round_index % 2 == 0 else engines[::-1]
+        for engine in order:
+            if round_index and engine not in args.round_engines:
+                continue
+            reason = UNSUPPORTED.get((engine, kind))
+            if reason is not None:
+                reasons[engine] = reason
+                results.setdefault(engine, {"workloads": {}})
+                continue
+            label = f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"  {kind} {dtype}: {engine}{label} ...", flush=True)
+            result, reason = run_one(engine, kind, dtype, job, args, pythons, log_dir, round_index)
+            if engine in results and not reason:
+                result = merge_fastest(results[engine], result, args.workloads)
+            if engine not in results or not reason:
+                results[engine], reasons[engine] = result, reason
     rows, outputs = [], {}
     for engine in engines:
-        reason = UNSUPPORTED.get((engine, kind))
-        result: dict = {"workloads": {}}
-        if reason is None:
-            print(f"  {kind} {dtype}: {engine} ...", flush=True)
-            try:
-                engine_job = dict(job, engine_kwargs=engine_kwargs(engine, args))
-                if engine == "llamacpp":
-                    engine_job["gguf"] = convert_gguf(folder, dtype, args)
-                    engine_job["llamacpp_kv_unified"] = args.llamacpp_kv_unified == "on"
-                log_path = os.path.join(log_dir, f"{kind}-{dtype}-{engine}.log")
-                preload = vllm_preload(args.vllm_python, args.vllm_preload) if engine == "vllm" else ""
-                result = run_engine(engine, engine_job, pythons[engine], log_path, args.timeout, preload)
-                if preload:
-                    result["ld_preload"] = preload
-            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-                reason = f"{type(e).__name__}: {e}"
-            if result.get("error"):
-                print(f"    {engine}: {result['error']}", flush=True)
+        result, reason = results.get(engine, {"workloads": {}}), reasons.get(engine)
         for name in args.workloads:
             entry = result["workloads"].get(name, {"error": reason or "not run"})
             counts = WORKLOADS[args.size][name][4]
@@ -253,6 +294,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.path.join(BENCH, "results"), help="folder for JSON, PNG and engine logs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads every engine gets")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per workload; the fastest is kept")
+    p.add_argument("--rounds", type=int, default=1, help="times each engine's process runs, alternating with the "
+                   "other engines (even rounds in reverse order); per workload the fastest round is kept")
+    p.add_argument("--round-engines", default=None, help="engines that run again in rounds after the first "
+                   "(default: all)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per engine per model and dtype "
                    "(default 2400 for base, 600 for small)")
     p.add_argument("--stateserve-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -298,6 +343,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
         if engine in ("vllm", "llamacpp") and not getattr(args, f"{engine}_python"):
             p.error(f"--engines {engine} needs --{engine}-python PATH")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    args.round_engines = args.engines if args.round_engines is None else args.round_engines.split(",")
+    for engine in args.round_engines:
+        if engine not in args.engines:
+            p.error(f"--round-engines {engine!r} is not among --engines ({','.join(args.engines)})")
     if args.timeout is None:
         args.timeout = 2400.0 if args.size == "base" else 600.0
     return args
@@ -320,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {n: dict(zip(("seed", "requests", "prompt_len", "output_len", "counts"), WORKLOADS[args.size][n]))
                  for n in args.workloads}
     write_json(base + ".json", {"machine": machine(), "limits": limits, "size": args.size, "workloads": workloads,
-                                "threads": args.threads, "repeats": args.repeats, "rows": rows})
+                                "threads": args.threads, "repeats": args.repeats, "rounds": args.rounds,
+                                "round_engines": args.round_engines, "rows": rows})
     print(f"\nwrote {base}.json" + (f" and {base}.png" if plot(rows, args.engines, args.workloads,
                                                                  base + ".png") else ""))
     return 0

@@ -115,3 +115,36 @@ def test_stateserve_args_reach_only_our_runner():
     assert throughput.engine_kwargs("vllm", args) == {"enable_prefix_caching": False}
     with pytest.raises(SystemExit):
         throughput.parse_args(["--stateserve-arg", "no_equals_sign"])
+
+
+def test_rounds_alternate_engines_and_keep_the_fastest_round(monkeypatch, tmp_path):
+    """--rounds 3: the round engines run three times, in forward, reverse, forward order, the others once;
+    per workload the fastest round's entry is kept, and a failed or short round never replaces a good one."""
+    args = throughput.parse_args(["--size", "small", "--models", "llama", "--dtypes", "float32", "--workloads",
+                                  "decode,serve", "--engines", "stateserve,transformers", "--rounds", "3",
+                                  "--round-engines", "stateserve"])
+    calls = []
+    timings = {0: (2.0, 5.0), 1: (1.0, None), 2: (4.0, 1.0)}  # round -> (decode s, serve s); None: short
+
+    def fake_run_one(engine, kind, dtype, job, args, pythons, log_dir, round_index):
+        calls.append((engine, round_index))
+        decode_s, serve_s = timings[round_index] if engine == "stateserve" else (3.0, 3.0)
+        serve = {"elapsed_s": serve_s or 0.5, "output_tokens": 10, "prompt_tokens": 10}
+        if serve_s is None:
+            serve["short_requests"] = 1  # a round that stopped short: fast, but it never counts
+        return {"workloads": {"decode": {"elapsed_s": decode_s, "output_tokens": 10, "prompt_tokens": 10},
+                              "serve": serve}}, None
+
+    monkeypatch.setattr(throughput, "run_one", fake_run_one)
+    monkeypatch.setattr(throughput.machine_limits, "decode_roofline", lambda *a: {"max_tok_s": 100.0})
+    rows = throughput.bench_one("llama", "float32", args.engines, args, {}, str(tmp_path))
+    assert calls == [("stateserve", 0), ("transformers", 0), ("stateserve", 1), ("stateserve", 2)]
+    speed = {(r["engine"], r["workload"]): r["tok_s"] for r in rows}
+    assert speed[("stateserve", "decode")] == pytest.approx(10 / 1.0)  # round 2 of 3 was the fastest decode
+    assert speed[("stateserve", "serve")] == pytest.approx(10 / 1.0)  # round 3; round 2's short run ignored
+    assert speed[("transformers", "serve")] == pytest.approx(10 / 3.0)
+    assert all(r.get("rounds") == 3 for r in rows if r["engine"] == "stateserve")
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--round-engines", "vllm"])  # not among the engines

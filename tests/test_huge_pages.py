@@ -86,23 +86,29 @@ def _faulted_kib(ptr: int) -> int:
 
 
 @pytest.mark.parametrize("switched_on", [True, False])
-def test_kv_cache_on_faulted_in_huge_pages(monkeypatch, switched_on):
-    """The KV pool is allocated on a huge-page-aligned mapping, zeroed and already resident (faulted in at
-    allocation, not mid-run); switched off, it is an ordinary tensor. Either way it is all zeros."""
-    from stateserve.cache.spec import KVCacheSpec
+def test_caches_on_faulted_in_huge_pages(monkeypatch, switched_on):
+    """The KV pool and the recurrent-state slots are allocated on huge-page-aligned mappings, zeroed and already
+    resident (faulted in at allocation, not mid-run); switched off, they are ordinary tensors. Either way they are
+    all zeros, and a layer's state view still writes into the shared stacked tensor."""
+    from stateserve.cache.spec import KVCacheSpec, StateSpec
     from stateserve.cache.storage import CachePlan, CacheStorage
 
     monkeypatch.setenv("STATESERVE_HUGE_PAGES", "1" if switched_on else "0")
     envs.disable_envs_cache()
     spec = KVCacheSpec(num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
-    plan = CachePlan(num_blocks=256, num_slots=0, max_num_seqs=8, kv_bytes=256 * spec.bytes_per_block(16),
-                     state_bytes=0)
-    storage = CacheStorage({"layer": spec}, {}, plan, 16, torch.device("cpu"))
+    state = StateSpec.of({"ssm": (8, 64, 64)}, {"ssm": torch.float32})  # 128 KiB a slot
+    plan = CachePlan(num_blocks=256, num_slots=16, max_num_seqs=8, kv_bytes=256 * spec.bytes_per_block(16),
+                     state_bytes=16 * 2 * state.bytes_per_slot())
+    storage = CacheStorage({"layer": spec}, {"m0": state, "m1": state}, plan, 16, torch.device("cpu"))
     k, v = storage.kv["layer"]
+    ssm0, ssm1 = storage.states["m0"]["ssm"], storage.states["m1"]["ssm"]
     assert k.shape == (256, 4, 16, 64) and not k.any() and not v.any()
-    nbytes = k.numel() * k.element_size()  # 2 MiB
-    aligned = k.data_ptr() % huge_pages.HUGE_PAGE == 0 and v.data_ptr() % huge_pages.HUGE_PAGE == 0
-    assert aligned == switched_on
-    if switched_on:
-        assert _faulted_kib(k.data_ptr()) * 1024 >= nbytes  # resident before any step wrote to it
+    assert ssm0.shape == (16, 8, 64, 64) and not ssm0.any() and not ssm1.any()
+    for tensor in (k, v, ssm0):  # 2 MiB each (the two layers' states are one 4 MiB group)
+        assert (tensor.data_ptr() % huge_pages.HUGE_PAGE == 0) == switched_on
+        if switched_on:  # resident before any step wrote to it
+            assert _faulted_kib(tensor.data_ptr()) * 1024 >= tensor.numel() * tensor.element_size()
+    ssm1[3].fill_(1.0)
+    storage.zero_slot(3)
+    assert not ssm1.any()
     envs.disable_envs_cache()

@@ -57,8 +57,9 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
                      int(num_slots * slot_bytes))
 
 
-def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's K or V blocks, zeroed; on CPU on huge pages where the kernel allows (see cache/huge_pages.py)."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cache tensor (one layer's K or V blocks, or a group's state slots), zeroed; on CPU on huge pages where the
+    kernel allows (see cache/huge_pages.py)."""
     if device.type == "cpu":
         tensor = huge_pages.zeros(shape, dtype)
         if tensor is not None:
@@ -74,7 +75,7 @@ class CacheStorage:
         self.block_size = block_size
         # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: tuple(_kv_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
+            name: tuple(_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
                         for _ in range(2))
             for name, s in kv_specs.items()
         }
@@ -89,7 +90,7 @@ class CacheStorage:
         self._state_groups: list[torch.Tensor] = []
         self.states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in state_specs}
         for (shape, dtype), members in groups.items():
-            stacked = torch.zeros(len(members), plan.num_slots, *shape, dtype=dtype, device=device)
+            stacked = _zeros((len(members), plan.num_slots, *shape), dtype, device)
             self._state_groups.append(stacked)
             for i, (name, key) in enumerate(members):
                 self.states[name][key] = stacked[i]
