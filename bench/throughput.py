@@ -165,11 +165,14 @@ def merge_fastest(old: dict, new: dict, workloads: list[str]) -> dict:
         return 1.0 / entry["elapsed_s"]  # the same workload in both: less time is more tokens/s
     merged = dict(old, workloads=dict(old.get("workloads", {})))
     for name in workloads:
-        entry, rounds = new.get("workloads", {}).get(name), old.get("workloads", {}).get(name, {}).get("rounds", 1)
+        before, entry = old.get("workloads", {}).get(name), new.get("workloads", {}).get(name)
+        # every round's time stays on record (None: that round did not run the workload), not only the winner's
+        history = (before or {}).get("round_elapsed_s") or [(before or {}).get("elapsed_s")]
         if entry is not None and speed(entry) > speed(merged["workloads"].get(name)):
             merged["workloads"][name] = entry
         if name in merged["workloads"]:
-            merged["workloads"][name] = dict(merged["workloads"][name], rounds=rounds + 1)
+            merged["workloads"][name] = dict(merged["workloads"][name], rounds=len(history) + 1,
+                                             round_elapsed_s=history + [(entry or {}).get("elapsed_s")])
     return merged
 
 

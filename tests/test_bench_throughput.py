@@ -144,6 +144,9 @@ def test_rounds_alternate_engines_and_keep_the_fastest_round(monkeypatch, tmp_pa
     assert speed[("stateserve", "serve")] == pytest.approx(10 / 1.0)  # round 3; round 2's short run ignored
     assert speed[("transformers", "serve")] == pytest.approx(10 / 3.0)
     assert all(r.get("rounds") == 3 for r in rows if r["engine"] == "stateserve")
+    by_workload = {r["workload"]: r for r in rows if r["engine"] == "stateserve"}
+    assert by_workload["decode"]["round_elapsed_s"] == [2.0, 1.0, 4.0]
+    assert by_workload["serve"]["round_elapsed_s"] == [5.0, 0.5, 1.0]  # the short round's time, recorded
     with pytest.raises(SystemExit):
         throughput.parse_args(["--rounds", "0"])
     with pytest.raises(SystemExit):
