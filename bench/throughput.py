@@ -188,27 +188,23 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
     pythons = {"stateserve": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python,
                "llamacpp": args.llamacpp_python}
     roof = machine_limits.decode_roofline(folder, dtype, limits)
+    unsupported = {e: UNSUPPORTED[(e, kind)] for e in engines if (e, kind) in UNSUPPORTED}
     results: dict[str, dict] = {}
-    reasons: dict[str, str | None] = {}
+    reasons: dict[str, str | None] = dict(unsupported)
     for round_index in range(args.rounds):
         # Later rounds run the engines in reverse order (and only --round-engines): each engine is timed at other
         # moments of the run, so a slow spell of the machine does not land on one engine alone.
         order = engines if round_index % 2 == 0 else engines[::-1]
         for engine in order:
-            if round_index and engine not in args.round_engines:
-                continue
-            reason = UNSUPPORTED.get((engine, kind))
-            if reason is not None:
-                reasons[engine] = reason
-                results.setdefault(engine, {"workloads": {}})
+            if engine in unsupported or (round_index and engine not in args.round_engines):
                 continue
             label = f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1 else ""
             print(f"  {kind} {dtype}: {engine}{label} ...", flush=True)
             result, reason = run_one(engine, kind, dtype, job, args, pythons, log_dir, round_index)
-            if engine in results and not reason:
-                result = merge_fastest(results[engine], result, args.workloads)
-            if engine not in results or not reason:
+            if engine not in results:
                 results[engine], reasons[engine] = result, reason
+            elif reason is None:  # each workload keeps its fastest round; a round that could not run changes nothing
+                results[engine], reasons[engine] = merge_fastest(results[engine], result, args.workloads), None
     rows, outputs = [], {}
     for engine in engines:
         result, reason = results.get(engine, {"workloads": {}}), reasons.get(engine)
