@@ -37,13 +37,14 @@ def test_kernel_matches_float64(dtype, rows, out_features, in_features):
     assert _rel_err(kernels.fast_linear(x, w, b), x, w, b) < TOL[dtype]
 
 
+@pytest.mark.parametrize("in_features", [96, 100])  # 100: a masked rest of k after the full vectors
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_batch_invariant_and_takes_strided_rows(dtype):
+def test_kernel_is_batch_invariant_and_takes_strided_rows(dtype, in_features):
     if not _supported(dtype):
         pytest.skip(f"no kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(13, 2 * 96, generator=g).to(dtype)[:, ::2]  # rows with a stride, not unit column stride
-    w = torch.randn(50, 96, generator=g).to(dtype)  # 50 outputs: six 8-row tiles of the one-row path, and a rest
+    x = torch.randn(13, 2 * in_features, generator=g).to(dtype)[:, ::2]  # rows with a stride, not unit column stride
+    w = torch.randn(50, in_features, generator=g).to(dtype)  # 50 outputs: six 8-row tiles of the one-row path, a rest
     b = torch.randn(50, generator=g).to(dtype)
     for bias in (None, b):
         full = kernels.fast_linear(x, w, bias)

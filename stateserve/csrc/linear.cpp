@@ -27,13 +27,12 @@ constexpr int kMR = 4;  // rows of x per tile
 // With one row of x, 4 accumulators leave the bfloat16 kernel bound by vdpbf16ps latency (~36 GB/s of weights);
 // 8 rows of W per tile reach ~45 (the memory). Each output is still one chain over k, so sums do not change.
 constexpr int kWideNR = 8;
-// With one row of x, what limits is how many cache lines are in flight, not arithmetic: the hardware prefetcher
-// keeps too few. Software prefetch into L2 of the line kRowPrefetchRows rows of W ahead (4 tiles: 48 KB in
-// bfloat16 at K=768) streamed the base models' weights at 27 instead of 21 GB/s in bfloat16 and 32 instead of
-// 27 in float32 on a machine whose plain copy reached 33. (Into L1 one tile ahead it was slower than none.)
-// Past the end of W the prefetches touch nothing: x86 prefetches never fault.
-constexpr int kRowPrefetchRows = 32;
-
+// With one row of x the kernel walks W row after row (`row_by_row_*`): each output's sum over k is the same
+// chain as in the tiles of several rows (so results do not change), but the loads go out in address order, a
+// single stream that the hardware prefetcher follows. The earlier order, k-step by k-step across the tile's 8
+// rows, read 8 streams 1.5 KB apart and needed software prefetch to reach ~30 GB/s where a plain read reached
+// ~34; row after row without prefetch streams at the read's speed (Llama-base bfloat16 weights, one process: 35
+// vs 29.5 GB/s medians), and out-of-order execution overlaps the 8 rows' dependent chains.
 #if SS_HAVE_AVX512
 // The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of
 // _mm512_reduce_add_ps (halves, then quarters, then the 4 lanes as (l0 + l2) + (l1 + l3)), which the tiles of
@@ -61,32 +60,69 @@ inline __m256 reduce8_ps(const __m512* v) {
 #endif
 
 #if SS_HAVE_AVX512
+// acc[j] += x . w[j] for NR rows of W, one row after the other (one row of x: see above).
+template <int NR>
+inline void row_by_row_f32(const float* x, const float* w, int64_t ldw, int64_t K, __m512* acc) {
+  for (int j = 0; j < NR; ++j) {
+    const float* wr = w + j * ldw;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wr + k), acc[j]);
+    if (k < K) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+      acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), _mm512_maskz_loadu_ps(mask, wr + k), acc[j]);
+    }
+  }
+}
+#endif
+
+#if SS_HAVE_AVX512BF16
+template <int NR>
+inline void row_by_row_bf16(const uint16_t* x, const uint16_t* w, int64_t ldw, int64_t K, __m512* acc) {
+  for (int j = 0; j < NR; ++j) {
+    const uint16_t* wr = w + j * ldw;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(wr + k));
+    if (k < K) {
+      const __mmask32 mask = static_cast<__mmask32>((1u << (K - k)) - 1u);
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k),
+                                (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k));
+    }
+  }
+}
+#endif
+
+#if SS_HAVE_AVX512
 // float32: 16 lanes of k per step.
-template <int MR, int NR, int PF_HINT = _MM_HINT_T0>
+template <int MR, int NR>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
                      int64_t ldo, const float* bias, const float* pf) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      wv[j] = _mm512_loadu_ps(w + j * ldw + k);
-      if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), (_mm_hint)PF_HINT);
+  if constexpr (MR == 1) {
+    row_by_row_f32<NR>(x, w, ldw, K, acc[0]);
+  } else {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        wv[j] = _mm512_loadu_ps(w + j * ldw + k);
+        if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    if (k < K) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
     }
   }
   if constexpr (MR == 1 && NR == 8) {
@@ -101,7 +137,7 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 
 #if SS_HAVE_AVX512BF16
 // bfloat16: vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes per step.
-template <int MR, int NR, int PF_HINT = _MM_HINT_T0>
+template <int MR, int NR>
 inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
                       at::BFloat16* out, int64_t ldo, const at::BFloat16* bias, const at::BFloat16* pf) {
   __m512 acc[MR][NR];
@@ -109,25 +145,29 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const auto* xs = reinterpret_cast<const uint16_t*>(x);
   const auto* ws = reinterpret_cast<const uint16_t*>(w);
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * ldw + k);
-      if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), (_mm_hint)PF_HINT);
+  if constexpr (MR == 1) {
+    row_by_row_bf16<NR>(xs, ws, ldw, K, acc[0]);
+  } else {
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * ldw + k);
+        if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mask = static_cast<__mmask32>((K - k) >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u));
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    if (k < K) {
+      const __mmask32 mask = static_cast<__mmask32>((K - k) >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u));
+      __m512bh wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + j * ldw + k);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
     }
   }
 #if defined(STATESERVE_SIMD_MASKED_16BIT)
@@ -159,10 +199,10 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
       default: NAME<MR, 1>(x, ldx, w, ldw, K, out, ldo, bias, pf); break;                                        \
     }                                                                                                        \
   }                                                                                                          \
-  /* one row of x: kWideNR rows of W per tile (more independent accumulator chains), remainders by 4 */       \
+  /* one row of x: kWideNR rows of W per tile (more chains in flight), remainders by 4 */                      \
   inline void NAME##_row(int nr, const T* x, const T* w, int64_t ldw, int64_t K, T* out, const T* bias) {     \
     if (nr == kWideNR)                                                                                       \
-      return NAME<1, kWideNR, _MM_HINT_T1>(x, K, w, ldw, K, out, nr, bias, w + kRowPrefetchRows * ldw);      \
+      return NAME<1, kWideNR>(x, K, w, ldw, K, out, nr, bias, nullptr);                                  \
     for (int j = 0; j < nr; j += kNR)                                                                        \
       NAME##_nr<1>(std::min(kNR, nr - j), x, K, w + j * ldw, ldw, K, out + j, nr, bias ? bias + j : nullptr,  \
                    nullptr);                                                                                 \
@@ -207,7 +247,7 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64
         const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
         // Prefetch the next tile of W (streamed from DRAM) while this one is multiplied by every row of x: one
         // tile ahead is 4*K elements, far enough to hide the latency, near enough to stay in L1. (A single row
-        // takes the path above, prefetching further ahead into L2.)
+        // takes the path above, without software prefetch.)
         tile(mr, nr, x + m0 * ldx, ldx, w + n0 * K, K, K, out + m0 * N + n0, N, bias ? bias + n0 : nullptr,
              w + std::min<int64_t>(n0 + kNR, N - 1) * K);
       }
