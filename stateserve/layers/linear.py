@@ -68,21 +68,25 @@ class FastLinear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias (bias None: none), routed by rows."""
-        rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0
-        if rows and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
-            flat = x.reshape(rows, x.shape[-1])
-            if rows <= self.max_rows:
-                out = cpu_kernels.load().fast_linear(flat, self.weight, bias)
-            elif self.packed is not None:
-                if self.packed_from != (self.weight.data_ptr(), self.weight._version):
-                    self.prepack()  # the weight was written or replaced since (a reload): pack it again
-                out = self.onednn(flat.contiguous(), self.packed, bias, "none", [], "")
-            elif self.onednn is not None:
-                out = self.onednn(flat.contiguous(), self.weight, bias, "none", [], "")
-            else:
-                return F.linear(x, self.weight, bias)
-            return out.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, bias)
+        weight = self.weight  # one nn.Module attribute lookup: this runs ~50 times a decode token
+        if x.dtype != weight.dtype or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        two_d = x.dim() == 2  # the model's [tokens, features]: no reshape or view (~2.5 us of a few-row product)
+        rows = x.shape[0] if two_d else (x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] else 0)
+        if not rows or not x.shape[-1]:
+            return F.linear(x, weight, bias)
+        flat = x if two_d else x.reshape(rows, x.shape[-1])
+        if rows <= self.max_rows:
+            out = cpu_kernels.load().fast_linear(flat, weight, bias)
+        elif self.packed is not None:
+            if self.packed_from != (weight.data_ptr(), weight._version):
+                self.prepack()  # the weight was written or replaced since (a reload): pack it again
+            out = self.onednn(flat.contiguous(), self.packed, bias, "none", [], "")
+        elif self.onednn is not None:
+            out = self.onednn(flat.contiguous(), weight, bias, "none", [], "")
+        else:
+            return F.linear(x, weight, bias)
+        return out if two_d else out.view(*x.shape[:-1], self.out_features)
 
 
 def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
