@@ -43,7 +43,9 @@ def test_kernel_is_batch_invariant_and_takes_strided_rows(dtype, in_features):
     if not _supported(dtype):
         pytest.skip(f"no kernel for {dtype} on this CPU")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(13, 2 * in_features, generator=g).to(dtype)[:, ::2]  # rows with a stride, not unit column stride
+    # 14 rows: tiles of 4, 4, 4 and 2 rows of x, each compared with one row alone (three code paths); rows with a
+    # stride, not unit column stride
+    x = torch.randn(14, 2 * in_features, generator=g).to(dtype)[:, ::2]
     w = torch.randn(50, in_features, generator=g).to(dtype)  # 50 outputs: six 8-row tiles of the one-row path, a rest
     b = torch.randn(50, generator=g).to(dtype)
     for bias in (None, b):
