@@ -27,7 +27,7 @@ constexpr int kMR = 4;  // rows of x per tile
 // With one row of x, 4 accumulators leave the bfloat16 kernel bound by vdpbf16ps latency (~36 GB/s of weights);
 // 8 rows of W per tile reach ~45 (the memory). Each output is still one chain over k, so sums do not change.
 constexpr int kWideNR = 8;
-// With one row of x the kernel walks W row after row (`row_by_row_*`): each output's sum over k is the same
+// With one row of x the kernel walks W row after row (`accumulate`): each output's sum over k is the same
 // chain as in the tiles of several rows (so results do not change), but the loads go out in address order, a
 // single stream that the hardware prefetcher follows. The earlier order, k-step by k-step across the tile's 8
 // rows, read 8 streams 1.5 KB apart and needed software prefetch to reach ~30 GB/s where a plain read reached
@@ -65,82 +65,87 @@ inline __m256 reduce8_ps(const __m512* v) {
 #endif
 
 #if SS_HAVE_AVX512
-// acc[i][j] += x[i] . w[j] for MR rows of x and NR rows of W, one row of W after the other (see above).
-template <int MR, int NR>
-inline void row_by_row_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                           __m512 (&acc)[MR][NR]) {
-  for (int j = 0; j < NR; ++j) {
-    const float* wr = w + j * ldw;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      const __m512 wv = _mm512_loadu_ps(wr + k);
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + k), wv, acc[i][j]);
-    }
-    if (k < K) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, wr + k);
-      for (int i = 0; i < MR; ++i)
-        acc[i][j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i * ldx + k), wv, acc[i][j]);
-    }
+// What differs between the dtypes' products: how many values of k a vector holds, how a vector is loaded (whole,
+// or the first n values with the rest zero) and the multiply-add into float32 lanes.
+struct F32Lanes {  // float32: 16 values of k per vector, FMA
+  using Scalar = float;
+  using Vec = __m512;
+  static constexpr int kStep = 16;
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load_first(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
-}
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+};
 #endif
 
 #if SS_HAVE_AVX512BF16
-template <int MR, int NR>
-inline void row_by_row_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
-                            __m512 (&acc)[MR][NR]) {
-  for (int j = 0; j < NR; ++j) {
-    const uint16_t* wr = w + j * ldw;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
-      for (int i = 0; i < MR; ++i)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_loadu_si512(x + i * ldx + k), wv);
+struct Bf16Lanes {  // bfloat16: 32 values of k per vector, vdpbf16ps adds pairs of products into 16 float32 lanes
+  using Scalar = uint16_t;
+  using Vec = __m512bh;
+  static constexpr int kStep = 32;
+  static Vec load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vec load_first(const uint16_t* p, int64_t n) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << n) - 1u), p);
+  }
+  static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#endif
+
+#if SS_HAVE_AVX512
+// acc[i][j] = x[i] . w[j] for MR rows of x and NR rows of W, each a chain over k in ascending order (so every
+// path gives the same sums). Up to kRowByRowMaxMR rows of x: one row of W after the other (see above); more: k-step
+// by k-step across the tile, prefetching `pf` (the next tile, or null) into L1.
+template <typename Ops, int MR, int NR>
+inline void accumulate(const typename Ops::Scalar* x, int64_t ldx, const typename Ops::Scalar* w, int64_t ldw,
+                       int64_t K, const typename Ops::Scalar* pf, __m512 (&acc)[MR][NR]) {
+  constexpr int S = Ops::kStep;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t full = K - K % S, rest = K % S;  // k below `full` in whole vectors, then `rest` values
+  if constexpr (MR <= kRowByRowMaxMR) {
+    for (int j = 0; j < NR; ++j) {
+      const typename Ops::Scalar* wr = w + j * ldw;
+      for (int64_t k = 0; k < full; k += S) {
+        const typename Ops::Vec wv = Ops::load(wr + k);
+        for (int i = 0; i < MR; ++i) acc[i][j] = Ops::madd(acc[i][j], Ops::load(x + i * ldx + k), wv);
+      }
+      if (rest) {
+        const typename Ops::Vec wv = Ops::load_first(wr + full, rest);
+        for (int i = 0; i < MR; ++i) acc[i][j] = Ops::madd(acc[i][j], Ops::load_first(x + i * ldx + full, rest), wv);
+      }
     }
-    if (k < K) {
-      const __mmask32 mask = static_cast<__mmask32>((1u << (K - k)) - 1u);
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
-      for (int i = 0; i < MR; ++i)
-        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * ldx + k), wv);
+  } else {
+    for (int64_t k = 0; k < full; k += S) {
+      typename Ops::Vec wv[NR];
+      for (int j = 0; j < NR; ++j) {
+        wv[j] = Ops::load(w + j * ldw + k);
+        if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const typename Ops::Vec xv = Ops::load(x + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = Ops::madd(acc[i][j], xv, wv[j]);
+      }
+    }
+    if (rest) {
+      typename Ops::Vec wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = Ops::load_first(w + j * ldw + full, rest);
+      for (int i = 0; i < MR; ++i) {
+        const typename Ops::Vec xv = Ops::load_first(x + i * ldx + full, rest);
+        for (int j = 0; j < NR; ++j) acc[i][j] = Ops::madd(acc[i][j], xv, wv[j]);
+      }
     }
   }
 }
 #endif
 
 #if SS_HAVE_AVX512
-// float32: 16 lanes of k per step.
+// An MR x NR tile of float32 outputs.
 template <int MR, int NR>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
                      int64_t ldo, const float* bias, const float* pf) {
   __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  if constexpr (MR <= kRowByRowMaxMR) {
-    row_by_row_f32<MR, NR>(x, ldx, w, ldw, K, acc);
-  } else {
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      __m512 wv[NR];
-      for (int j = 0; j < NR; ++j) {
-        wv[j] = _mm512_loadu_ps(w + j * ldw + k);
-        if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
-      }
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
-    }
-    if (k < K) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-      __m512 wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
-    }
-  }
+  accumulate<F32Lanes>(x, ldx, w, ldw, K, pf, acc);
   if constexpr (MR == 1 && NR == 8) {
     const __m256 sums = reduce8_ps(acc[0]);
     _mm256_storeu_ps(out, bias ? _mm256_add_ps(sums, _mm256_loadu_ps(bias)) : sums);
@@ -152,40 +157,13 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #endif
 
 #if SS_HAVE_AVX512BF16
-// bfloat16: vdpbf16ps multiplies 32 bf16 pairs into 16 float32 lanes per step.
+// An MR x NR tile of bfloat16 outputs (summed in float32).
 template <int MR, int NR>
 inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
                       at::BFloat16* out, int64_t ldo, const at::BFloat16* bias, const at::BFloat16* pf) {
   __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const auto* xs = reinterpret_cast<const uint16_t*>(x);
-  const auto* ws = reinterpret_cast<const uint16_t*>(w);
-  if constexpr (MR <= kRowByRowMaxMR) {
-    row_by_row_bf16<MR, NR>(xs, ldx, ws, ldw, K, acc);
-  } else {
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      __m512bh wv[NR];
-      for (int j = 0; j < NR; ++j) {
-        wv[j] = (__m512bh)_mm512_loadu_si512(ws + j * ldw + k);
-        if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + j * ldw + k), _MM_HINT_T0);
-      }
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs + i * ldx + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-      }
-    }
-    if (k < K) {
-      const __mmask32 mask = static_cast<__mmask32>((K - k) >= 32 ? 0xffffffffu : ((1u << (K - k)) - 1u));
-      __m512bh wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ws + j * ldw + k);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xs + i * ldx + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-      }
-    }
-  }
+  const auto as16 = [](const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  accumulate<Bf16Lanes>(as16(x), ldx, as16(w), ldw, K, as16(pf), acc);
 #if defined(STATESERVE_SIMD_MASKED_16BIT)
   if constexpr (MR == 1 && NR == 8) {  // the 8 sums in the low lanes; the store rounds as the cast below
     using namespace stateserve_simd;
@@ -218,7 +196,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
   /* one row of x: kWideNR rows of W per tile (more chains in flight), remainders by 4 */                      \
   inline void NAME##_row(int nr, const T* x, const T* w, int64_t ldw, int64_t K, T* out, const T* bias) {     \
     if (nr == kWideNR)                                                                                       \
-      return NAME<1, kWideNR>(x, K, w, ldw, K, out, nr, bias, nullptr);                                  \
+      return NAME<1, kWideNR>(x, K, w, ldw, K, out, nr, bias, nullptr);                                    \
     for (int j = 0; j < nr; j += kNR)                                                                        \
       NAME##_nr<1>(std::min(kNR, nr - j), x, K, w + j * ldw, ldw, K, out + j, nr, bias ? bias + j : nullptr,  \
                    nullptr);                                                                                 \
