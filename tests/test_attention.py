@@ -22,8 +22,8 @@ def dense(q, k, v, scale):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("D", [16, 24, 64, 128])  # 64, 128: AVX-512 with rows in registers; 16: AVX-512 with a
-# run-time width; 24: the portable path
+@pytest.mark.parametrize("D", [16, 24, 64, 96, 128])  # 64, 128: AVX-512 with rows in registers; 16, 96: AVX-512
+# with a run-time width (bfloat16: 16 the float32-arithmetic path, 96 the vdpbf16ps one); 24: the portable path
 @pytest.mark.parametrize("bs", [4, 16, 24])  # 24: a block holds a full group of 16 keys and a part one
 def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D, bs):
     g = torch.Generator().manual_seed(0)
@@ -80,6 +80,35 @@ def test_write_kv_puts_each_row_at_its_slot(dtype):
     if cpu_kernels.load() is not None:
         with pytest.raises(RuntimeError, match="slot 24 outside the cache"):
             attn.write_kv(k[:1], v[:1], torch.tensor([nb * bs]))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_kernel_many_ragged_sequences_and_unwritten_rows(dtype, tol):
+    """Thirteen sequences of 1-70 keys (the threads split them by length, not count) over a cache whose unwritten
+    rows hold NaN: each output matches dense attention and the same sequence attended alone, bit for bit."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("C++ CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(3)
+    heads, D, bs = 4, 64, 16
+    lens = torch.tensor([70, 1, 33, 2, 64, 17, 5, 48, 15, 3, 31, 9, 16])
+    blocks_each = 5
+    kc = torch.full((len(lens) * blocks_each, heads, bs, D), float("nan"), dtype=dtype)
+    vc = kc.clone()
+    tables = torch.randperm(kc.shape[0], generator=g).view(len(lens), blocks_each)
+    q = torch.randn(len(lens), heads, D, generator=g).to(dtype)
+    ref = []
+    for i, n in enumerate(lens.tolist()):
+        k, v = torch.randn(n, heads, D, generator=g).to(dtype), torch.randn(n, heads, D, generator=g).to(dtype)
+        for t in range(n):
+            kc[tables[i, t // bs], :, t % bs], vc[tables[i, t // bs], :, t % bs] = k[t], v[t]
+        ref.append(dense(q[i], k, v, D ** -0.5))
+    out = kernels.paged_decode_attention(q, kc, vc, tables, lens, D ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), torch.stack(ref), atol=tol, rtol=tol)
+    for i in (0, 1, 6, 12):
+        alone = kernels.paged_decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], D ** -0.5)
+        assert torch.equal(alone, out[i:i + 1])
 
 
 def test_prefill_causal_matches_sdpa():

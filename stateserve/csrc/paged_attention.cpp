@@ -29,53 +29,81 @@ using stateserve_simd::exp_ps;
 using stateserve_simd::load_row16;
 using stateserve_simd::pair_index;
 
-// One task: kv heads [kh0, kh1) of one sequence (their query heads: `group` per kv head), head_dim = 16 * nv
-// (NV > 0: known at compile time, so q and the accumulators stay in registers; NV == 0: nv at run time). The cache
-// is [num_blocks, num_kv_heads, block_size, head_dim], so one head's keys of a block are one contiguous piece that
-// streams from memory in order; each block's successor is prefetched into L2 while the block is computed (without
-// it a pass waits on every piece). Keys go 16 at a time within a block: each head reduces its 16 scores in one
-// transpose-and-add tree, the softmax is vectorised, and the V pass keeps two accumulator sets (even/odd keys) so
-// the FMA chains overlap.
+// Where a task reads: kv heads [kh0, kh1) of one sequence of `len` keys, whose blocks `table` lists, in a cache laid
+// out [num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are one contiguous piece.
+struct TaskView {
+  const int64_t* table;
+  int64_t len, kh0, kh1, group, head_dim, block_size, head_stride, block_stride, piece_bytes;
+  int64_t num_query_heads() const { return (kh1 - kh0) * group; }
+  int64_t score_stride() const { return len + 16; }  // per head: room for a full 16-lane store at any key
+};
+
+// Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows, next) with rows pointing at
+// key t0 of kv head 0 (kv head h: + h * head_stride), and next at the following block on a block's first group
+// (else null), for fn to prefetch that block's piece of each head as it takes the head: spread out like that, the
+// prefetches measured 7-25% faster than issuing the whole block's at once.
+template <typename scalar_t, typename Fn>
+inline void walk_keys(const scalar_t* cache, const TaskView& tv, Fn&& fn) {
+  const int64_t num_blocks = (tv.len + tv.block_size - 1) / tv.block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* base = cache + tv.table[b] * tv.block_stride;
+    const char* next =
+        b + 1 < num_blocks ? reinterpret_cast<const char*>(cache + tv.table[b + 1] * tv.block_stride) : nullptr;
+    const int64_t keys = std::min(tv.block_size, tv.len - b * tv.block_size);
+    for (int64_t o = 0; o < keys; o += 16)
+      fn(b * tv.block_size + o, std::min<int64_t>(16, keys - o), base + o * tv.head_dim, o == 0 ? next : nullptr);
+  }
+}
+
+// kv head kv's piece of the next block, into L2 (into L1 it evicts what is being computed; without it a pass
+// waits on every piece).
+inline void prefetch_piece(const char* next, int64_t kv, const TaskView& tv) {
+  if (next == nullptr) return;
+  for (int64_t x = 0; x < tv.piece_bytes; x += 64) _mm_prefetch(next + kv * tv.piece_bytes + x, _MM_HINT_T1);
+}
+
+// scores: [nh, stride], the first len of each row valid -> softmax numerators exp(score - row max) in place (lanes
+// past len masked out of the max and the sum); inv[i] = 1 / row i's sum.
+inline void softmax_numerators(float* scores, int64_t nh, int64_t stride, int64_t len, float* inv) {
+  auto lanes = [&](int64_t t0) {
+    return len - t0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - t0)) - 1u);
+  };
+  for (int64_t i = 0; i < nh; ++i) {
+    float* sg = scores + i * stride;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < len; t0 += 16) mv = _mm512_mask_max_ps(mv, lanes(t0), mv, _mm512_loadu_ps(sg + t0));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(lanes(t0), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
+      _mm512_storeu_ps(sg + t0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[i] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// One task in float32 arithmetic (float32, float16, and bfloat16 without vdpbf16ps): head_dim = 16 * nv (NV > 0:
+// known at compile time, so q and the accumulators stay in registers; NV == 0: nv at run time). Keys go 16 at a
+// time within a block: each head reduces its 16 scores in one transpose-and-add tree, and the V pass keeps two
+// accumulator sets (even/odd keys) so the FMA chains overlap. q: the task's first query head's row.
 template <int NV, typename scalar_t>
-void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                        int64_t len, scalar_t* out, int64_t s, int64_t kh0, int64_t kh1, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t group, float scale,
-                        std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  const int64_t nv = NV > 0 ? NV : head_dim / 16;
+void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const TaskView& tv,
+                        scalar_t* out, float scale, std::vector<float>& scores, std::vector<float>& qf,
+                        std::vector<float>& acc) {
+  const int64_t head_dim = tv.head_dim, nv = NV > 0 ? NV : head_dim / 16;
   const bool pairs = std::is_same_v<scalar_t, at::BFloat16> && nv % 2 == 0;
-  const int64_t head_stride = block_size * head_dim, block_stride = num_kv_heads * head_stride;
-  const int64_t piece_bytes = head_stride * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t num_blocks = (len + block_size - 1) / block_size;
-  const int64_t stride = len + 16;  // per head: room for a full 16-lane store at any key
-  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;  // the task's query heads
+  const int64_t nh = tv.num_query_heads(), stride = tv.score_stride(), group = tv.group;
   scores.resize(nh * stride);
   qf.resize(nh * head_dim);
   acc.assign(nh * head_dim, 0.f);
   for (int64_t i = 0; i < nh; ++i)
     for (int64_t d = 0; d < head_dim; ++d)
-      qf[i * head_dim + (pairs ? pair_index(d) : d)] =
-          static_cast<float>(q[(s * num_heads + h0 + i) * head_dim + d]) * scale;
-  // Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows, next) with rows pointing
-  // at key t0 of kv head 0 (kv head h: + h * head_stride), and next at the following block on a block's first group
-  // (else null). fn prefetches that block's piece of each head as it takes the head: spread out like that, the
-  // prefetches measured 7-25% faster than issuing the whole block's at once.
-  auto walk = [&](const scalar_t* cache, auto&& fn) {
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const scalar_t* base = cache + table[b] * block_stride;
-      const char* next = b + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[b + 1] * block_stride) : nullptr;
-      const int64_t keys = std::min(block_size, len - b * block_size);
-      for (int64_t o = 0; o < keys; o += 16)
-        fn(b * block_size + o, std::min<int64_t>(16, keys - o), base + o * head_dim, o == 0 ? next : nullptr);
-    }
-  };
-  auto prefetch_piece = [&](const char* next, int64_t kv) {  // into L2: into L1 it evicts what is being computed
-    if (next == nullptr) return;
-    for (int64_t x = 0; x < piece_bytes; x += 64) _mm_prefetch(next + kv * piece_bytes + x, _MM_HINT_T1);
-  };
-  walk(k_cache, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
+      qf[i * head_dim + (pairs ? pair_index(d) : d)] = static_cast<float>(q[i * head_dim + d]) * scale;
+  walk_keys(k_cache, tv, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
     for (int64_t i = 0; i < nh; ++i) {
-      if (i % group == 0) prefetch_piece(next, kh0 + i / group);
-      const scalar_t* k = rows + (kh0 + i / group) * head_stride;
+      if (i % group == 0) prefetch_piece(next, tv.kh0 + i / group, tv);
+      const scalar_t* k = rows + (tv.kh0 + i / group) * tv.head_stride;
       __m512 qv[16];
       for (int64_t v = 0; v < nv; ++v) qv[v] = _mm512_loadu_ps(qf.data() + i * head_dim + 16 * v);
       __m512 dots[16];
@@ -88,28 +116,12 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
       _mm512_storeu_ps(scores.data() + i * stride + t0, stateserve_simd::reduce16_ps(dots));
     }
   });
-  // softmax numerators in place, per head; lanes past len are masked out of the max and the sum
-  auto lanes = [&](int64_t t0) {
-    return len - t0 >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (len - t0)) - 1u);
-  };
   float inv[256];  // nh <= num_heads <= 256: checked by the caller
-  for (int64_t i = 0; i < nh; ++i) {
-    float* sg = scores.data() + i * stride;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t0 = 0; t0 < len; t0 += 16) mv = _mm512_mask_max_ps(mv, lanes(t0), mv, _mm512_loadu_ps(sg + t0));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(lanes(t0), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), m)));
-      _mm512_storeu_ps(sg + t0, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[i] = 1.f / _mm512_reduce_add_ps(sum);
-  }
-  walk(v_cache, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
+  softmax_numerators(scores.data(), nh, stride, tv.len, inv);
+  walk_keys(v_cache, tv, [&](int64_t t0, int64_t n, const scalar_t* rows, const char* next) {
     for (int64_t i = 0; i < nh; ++i) {
-      if (i % group == 0) prefetch_piece(next, kh0 + i / group);
-      const scalar_t* vr = rows + (kh0 + i / group) * head_stride;
+      if (i % group == 0) prefetch_piece(next, tv.kh0 + i / group, tv);
+      const scalar_t* vr = rows + (tv.kh0 + i / group) * tv.head_stride;
       const float* p = scores.data() + i * stride + t0;
       float* a = acc.data() + i * head_dim;
       __m512 acc0[16], acc1[16];
@@ -132,31 +144,124 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
     }
   });
   for (int64_t i = 0; i < nh; ++i) {
-    scalar_t* o = out + (s * num_heads + h0 + i) * head_dim;
+    scalar_t* o = out + i * head_dim;
     const float* a = acc.data() + i * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(a[pairs ? pair_index(d) : d] * inv[i]);
   }
 }
 
-template <typename scalar_t>
-void decode_task_avx512_dispatch(int64_t nv, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-                                 const int64_t* table, int64_t len, scalar_t* out, int64_t s, int64_t kh0,
-                                 int64_t kh1, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                 int64_t block_size, int64_t group, float scale, std::vector<float>& scores,
-                                 std::vector<float>& qf, std::vector<float>& acc) {
-  switch (nv) {  // the common head sizes 64 and 128 get register-resident rows
-    case 4:
-      return decode_task_avx512<4>(q, k_cache, v_cache, table, len, out, s, kh0, kh1, num_heads, num_kv_heads,
-                                   head_dim, block_size, group, scale, scores, qf, acc);
-    case 8:
-      return decode_task_avx512<8>(q, k_cache, v_cache, table, len, out, s, kh0, kh1, num_heads, num_kv_heads,
-                                   head_dim, block_size, group, scale, scores, qf, acc);
-    default:
-      return decode_task_avx512<0>(q, k_cache, v_cache, table, len, out, s, kh0, kh1, num_heads, num_kv_heads,
-                                   head_dim, block_size, group, scale, scores, qf, acc);
+#if defined(__AVX512BF16__)
+// Where element d of a 32-element chunk lands after _mm512_unpack{lo,hi}_epi16 of two rows: the low result's
+// 32-bit lane l holds element 8 (l / 4) + l % 4, the high result's element 8 (l / 4) + 4 + l % 4.
+inline int64_t unpacked_index(int64_t d) {
+  const int64_t r = d % 32, lane = r / 8, w = r % 8;
+  return d / 32 * 32 + (w < 4 ? 0 : 16) + 4 * lane + w % 4;
+}
+
+// One task in bfloat16 with head_dim = 32 * nc (NC > 0: known at compile time): both products on vdpbf16ps, two
+// multiply-adds per lane and instruction and no conversion of the cache's rows (the float32 path spends two
+// conversions and two FMAs where this spends one instruction, and was compute-bound where float32 was not). Scores
+// from q's raw bfloat16 pairs against each key row, scaled afterwards; P.V from probabilities rounded to bfloat16
+// (as the prefill kernel, flash attention and transformers' eager bfloat16 attention do) against pairs of value
+// rows interleaved by _mm512_unpack{lo,hi}_epi16, whose lane order `unpacked_index` undoes at the output.
+template <int NC>
+void decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                      const TaskView& tv, at::BFloat16* out, float scale, std::vector<float>& scores,
+                      std::vector<float>& acc) {
+  const int64_t head_dim = tv.head_dim, nc = NC > 0 ? NC : head_dim / 32;
+  const int64_t nh = tv.num_query_heads(), stride = tv.score_stride(), group = tv.group;
+  scores.resize(nh * stride);
+  acc.assign(nh * head_dim, 0.f);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  walk_keys(k_cache, tv, [&](int64_t t0, int64_t n, const at::BFloat16* rows, const char* next) {
+    for (int64_t i = 0; i < nh; ++i) {
+      if (i % group == 0) prefetch_piece(next, tv.kh0 + i / group, tv);
+      const at::BFloat16* k = rows + (tv.kh0 + i / group) * tv.head_stride;
+      __m512bh qv[8];
+      for (int64_t c = 0; c < nc; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * head_dim + 32 * c);
+      __m512 dots[16];
+      for (int64_t j = 0; j < n; ++j, k += head_dim) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
+        for (int64_t c = 1; c < nc; ++c) dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+        dots[j] = dot;
+      }
+      for (int64_t j = n; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+      _mm512_storeu_ps(scores.data() + i * stride + t0, _mm512_mul_ps(stateserve_simd::reduce16_ps(dots), scale_v));
+    }
+  });
+  float inv[256];  // nh <= num_heads <= 256: checked by the caller
+  softmax_numerators(scores.data(), nh, stride, tv.len, inv);
+  walk_keys(v_cache, tv, [&](int64_t t0, int64_t n, const at::BFloat16* rows, const char* next) {
+    for (int64_t i = 0; i < nh; ++i) {
+      if (i % group == 0) prefetch_piece(next, tv.kh0 + i / group, tv);
+      const at::BFloat16* vr = rows + (tv.kh0 + i / group) * tv.head_stride;
+      alignas(32) int32_t pw[8];  // pw[m] = (p[2m], p[2m + 1]) as bfloat16, the first in the low half
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores.data() + i * stride + t0)));
+      float* a = acc.data() + i * head_dim;
+      __m512 lo[8], hi[8];
+      for (int64_t c = 0; c < nc; ++c) lo[c] = _mm512_loadu_ps(a + 32 * c), hi[c] = _mm512_loadu_ps(a + 32 * c + 16);
+      for (int64_t j = 0; j < n; j += 2) {
+        const __m512bh pm = (__m512bh)_mm512_set1_epi32(pw[j / 2]);
+        const at::BFloat16 *v0 = vr + j * head_dim, *v1 = v0 + head_dim;
+        for (int64_t c = 0; c < nc; ++c) {
+          // the row after the group's last is zeros, not the cache's next row (whose bits may be NaN)
+          const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+          const __m512i y = j + 1 < n ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+          lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(x, y), pm);
+          hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(x, y), pm);
+        }
+      }
+      for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(a + 32 * c, lo[c]), _mm512_storeu_ps(a + 32 * c + 16, hi[c]);
+    }
+  });
+  for (int64_t i = 0; i < nh; ++i) {
+    at::BFloat16* o = out + i * head_dim;
+    const float* a = acc.data() + i * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<at::BFloat16>(a[unpacked_index(d)] * inv[i]);
   }
 }
 #endif
+
+// Runs one task through the fastest variant for its dtype and head size. q: the task's first query head's row;
+// out: where that head's output goes.
+template <typename scalar_t>
+void decode_task_dispatch(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const TaskView& tv,
+                          scalar_t* out, float scale, std::vector<float>& scores, std::vector<float>& qf,
+                          std::vector<float>& acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    if (tv.head_dim % 32 == 0) {
+      if (tv.head_dim == 64) return decode_task_bf16<2>(q, k_cache, v_cache, tv, out, scale, scores, acc);
+      if (tv.head_dim == 128) return decode_task_bf16<4>(q, k_cache, v_cache, tv, out, scale, scores, acc);
+      return decode_task_bf16<0>(q, k_cache, v_cache, tv, out, scale, scores, acc);
+    }
+  }
+#endif
+  switch (tv.head_dim / 16) {  // the common head sizes 64 and 128 get register-resident rows
+    case 4: return decode_task_avx512<4>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
+    case 8: return decode_task_avx512<8>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
+    default: return decode_task_avx512<0>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
+  }
+}
+#endif
+
+// Splits tasks [0, num_tasks) into `parts` consecutive runs of about equal cost (cost(task): its keys): bounds[p] to
+// bounds[p + 1] is run p. In serving, sequences' lengths differ up to ~20x, and splitting by count left one thread
+// waiting on the other for a tenth of some steps.
+template <typename Cost>
+std::vector<int64_t> balanced_bounds(int64_t num_tasks, int64_t parts, Cost&& cost) {
+  int64_t total = 0;
+  for (int64_t t = 0; t < num_tasks; ++t) total += cost(t);
+  std::vector<int64_t> bounds(parts + 1, num_tasks);
+  bounds[0] = 0;
+  int64_t done = 0, part = 1;
+  for (int64_t t = 0; t < num_tasks && part < parts; ++t) {
+    done += cost(t);
+    while (part < parts && done * parts >= part * total) bounds[part++] = t + 1;  // run `part` starts after t
+  }
+  return bounds;
+}
 }  // namespace
 
 template <typename scalar_t>
@@ -171,15 +276,22 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
     const int64_t threads = at::get_num_threads();
     const int64_t splits = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) / num_seqs));
     const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
-    at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    const int64_t head_stride = block_size * head_dim;
+    const std::vector<int64_t> bounds = balanced_bounds(num_seqs * splits, threads, [&](int64_t task) {
+      const int64_t kh0 = (task % splits) * heads_per_task;
+      return (seq_lens[task / splits] + 16) * std::max<int64_t>(0, std::min(num_kv_heads, kh0 + heads_per_task) - kh0);
+    });
+    at::parallel_for(0, threads, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scores, qf, acc;
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t task = bounds[part_begin]; task < bounds[part_end]; ++task) {
         const int64_t s = task / splits, kh0 = (task % splits) * heads_per_task;
         const int64_t kh1 = std::min(num_kv_heads, kh0 + heads_per_task);
         if (kh0 >= kh1) continue;
-        decode_task_avx512_dispatch(head_dim / 16, q, k_cache, v_cache, block_tables + s * max_blocks, seq_lens[s],
-                                    out, s, kh0, kh1, num_heads, num_kv_heads, head_dim, block_size, group, scale,
-                                    scores, qf, acc);
+        const TaskView tv{block_tables + s * max_blocks, seq_lens[s], kh0, kh1, group, head_dim, block_size,
+                          head_stride, num_kv_heads * head_stride,
+                          head_stride * static_cast<int64_t>(sizeof(scalar_t))};
+        const int64_t first = (s * num_heads + kh0 * group) * head_dim;  // the task's first query head
+        decode_task_dispatch(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf, acc);
       }
     });
     return;
