@@ -36,8 +36,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
     "STATESERVE_CPU_KERNELS": EnvVar(_bool, True, "Use the C++ CPU kernels (built on first use) where they exist."),
     "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
-    "STATESERVE_ONEDNN_PREPACK": EnvVar(_bool, True, "Keep a copy of CPU linear weights in oneDNN's blocked "
-                                                     "layout for batched products (skipped when memory is short)."),
+    "STATESERVE_PACK_LINEARS": EnvVar(_bool, True, "Keep a copy of CPU linear weights in 48-column panels for "
+                                                   "products of 3+ rows (skipped when memory is short)."),
     "STATESERVE_MALLOC_TUNING": EnvVar(_bool, True, "On CPU, keep large temporaries in glibc's heap instead of a "
                                                     "fresh mmap each (raised mmap/trim thresholds)."),
     "STATESERVE_HUGE_PAGES": EnvVar(_bool, True, "Put CPU weights and caches on transparent huge pages "

@@ -200,16 +200,19 @@ def test_cpu_budget_subtracts_activations(llama_path, monkeypatch):
 
 @pytest.mark.parametrize("setting,free_bytes,expect_packed", [("1", None, True), ("0", None, False),
                                                              ("1", 1024, False)])
-def test_onednn_prepack_switch_and_memory_guard(llama_path, monkeypatch, caplog, setting, free_bytes,
-                                                expect_packed):
-    """Linear weights get a oneDNN blocked copy by default; STATESERVE_ONEDNN_PREPACK=0 or too little free memory
-    (the copy over a quarter of it) leaves them plain, saying why. Greedy tokens are the same either way."""
-    from stateserve.layers import linear
+def test_linear_packing_switch_and_memory_guard(llama_path, monkeypatch, caplog, setting, free_bytes, expect_packed):
+    """Linear weights get a copy in the panel kernel's layout by default; STATESERVE_PACK_LINEARS=0 or too little
+    free memory (the copy over a quarter of it) leaves them plain, saying why. Greedy tokens are the same either
+    way."""
+    import torch
+
+    from stateserve.layers import cpu_kernels, linear
     from stateserve.runner import model_runner
 
-    if linear._onednn_linear() is None:
-        pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setenv("STATESERVE_ONEDNN_PREPACK", setting)
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.packed_linear_supported(torch.float32, 64):
+        pytest.skip("no panel kernel here")
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", setting)
     envs.disable_envs_cache()
     if free_bytes is not None:
         monkeypatch.setattr(model_runner, "_available_host_memory", lambda: free_bytes)
@@ -220,12 +223,12 @@ def test_onednn_prepack_switch_and_memory_guard(llama_path, monkeypatch, caplog,
         linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, linear.FastLinear)]
         assert linears and all((m.packed is not None) == expect_packed for m in linears)
         if free_bytes is not None:
-            assert "prepack skipped" in caplog.text
+            assert "packing skipped" in caplog.text
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
         tokens = [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
-    monkeypatch.setenv("STATESERVE_ONEDNN_PREPACK", "0")
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "0")
     envs.disable_envs_cache()
     with LLM(llama_path, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20) as plain:
         assert [list(o.outputs[0].token_ids) for o in plain.generate(prompts, SamplingParams(max_tokens=6,

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import (MAX_ROWS, MAX_ROWS_PREPACKED, FastLinear, _onednn_linear, install_fast_linear,
-                                     prepack_fast_linear)
+from stateserve.layers.linear import MAX_ROWS, FastLinear, _onednn_linear, install_fast_linear
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -108,42 +107,6 @@ def test_wide_products_go_through_onednn_and_match_f_linear(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     assert not torch.allclose(out.float(), F.linear(x.float(), weight.float().roll(1, 0), bias.float()), atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@torch.no_grad()
-def test_prepacked_weights_match_and_follow_weight_changes(dtype):
-    """Products past MAX_ROWS_PREPACKED rows use oneDNN's blocked copy of the weight: same results as F.linear,
-    and a weight written in place or replaced after packing is packed again, never served stale."""
-    if _onednn_linear() is None:
-        pytest.skip("no oneDNN in this torch build")
-    torch.manual_seed(0)
-    layer = nn.Linear(96, 200).to(dtype).requires_grad_(False)
-    install_fast_linear(layer, dtype, torch.device("cpu"))
-    assert prepack_fast_linear(layer) == 200 * 96 * layer.weight.element_size()
-    assert layer.packed is not None and layer.packed.is_mkldnn
-    if layer.max_rows:
-        assert layer.max_rows == MAX_ROWS_PREPACKED[dtype]
-    tol = 1e-4 if dtype == torch.float32 else 0.05
-    x = torch.randn(40, 96).to(dtype)
-
-    def check() -> None:
-        ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
-        torch.testing.assert_close(layer(x).float(), ref, rtol=tol, atol=tol)
-
-    check()
-    packed = layer.packed
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:  # the product goes through the packed copy
-        mp.setattr(layer, "onednn", lambda x, w, *a: calls.append(w) or _onednn_linear()(x, w, *a))
-        layer(x)
-    assert calls == [packed]
-    layer.weight.mul_(-1)  # in place (a weight reload copies into the parameter)
-    check()
-    assert layer.packed is not packed
-    layer.weight.data = torch.randn(200, 96).to(dtype)  # replaced
-    check()
-    assert torch.equal(layer(x[:1]).float(), layer(x[:1]).float())  # one row: the kernel, on the plain weight
 
 
 def test_install_skips_unsupported_dtypes_and_devices():

@@ -2,9 +2,10 @@
 
 A decode step multiplies every weight matrix by a handful of rows (one per running request). PyTorch's CPU
 kernels do that at well under the machine's memory bandwidth, so after loading, the runner turns each
-`nn.Linear` of a CPU model into a `FastLinear` (same parameters, same state dict): products with at most
-`max_rows` rows go through the C++ kernel in csrc/linear.cpp, larger ones (prefill chunks, wide batches) through
-oneDNN, and autograd through `F.linear`. Model code keeps using plain `nn.Linear`.
+`nn.Linear` of a CPU model into a `FastLinear` (same parameters, same state dict): one or two rows go through the
+C++ kernel in csrc/linear.cpp on the plain weight, more (a batch of decoding requests, a prefill chunk) through
+csrc/packed_linear.cpp on a copy of the weight in 48-column panels made once after loading (`prepack`), or through
+oneDNN where there is no such copy, and autograd through `F.linear`. Model code keeps using plain `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stateserve.cache import huge_pages
 from stateserve.layers import cpu_kernels
 
 logger = logging.getLogger("stateserve")
 
-# Up to how many rows the kernel beats oneDNN, by dtype (measured on the benchmark machine, Zen 5 with AVX-512, at
-# the 30m and base shapes): both dtypes through ~16 rows against oneDNN on plain weights, ~2 rows against oneDNN
-# on weights reordered into its blocked layout (prepacked; 4096 x 768 at 16 rows: float32 0.50 -> 0.38 ms,
-# bfloat16 at 64 rows 0.60 -> 0.48 ms).
+# Up to how many rows the few-row kernel beats the alternative, by dtype (measured on the benchmark machine, Zen 5
+# with AVX-512, at the 30m and base shapes): ~16 rows against oneDNN on plain weights, ~2 against the panel kernel.
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
-PREPACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for (float32 needs >= 16; bf16 indifferent)
+# Why the panel kernel and not oneDNN past two rows: Llama-base layer shapes, GFLOP/s on two cores (panel kernel /
+# oneDNN on its own blocked copy of the weight / oneDNN on the plain weight): bfloat16 8 rows 370 / 212 / 96,
+# 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
+# 37 rows 213 / 188 / 141, 2048 rows 207 / 204 / 199. One extra copy of the weights serves every batch size.
+PANEL_COLUMNS = 48  # output columns per panel of csrc/packed_linear.cpp
 
 
 def _onednn_linear():
@@ -45,26 +49,34 @@ def _onednn_linear():
 
 class FastLinear(nn.Linear):
     """nn.Linear with CPU fast paths; installed over nn.Linear instances by `install_fast_linear`. Without grad:
-    at most `max_rows` rows go through the C++ kernel, more through oneDNN (`onednn`), else F.linear."""
+    at most `max_rows` rows go through the few-row kernel, more through the panel kernel when the weight is packed,
+    else through oneDNN (`onednn`), else F.linear."""
 
     max_rows: int = 0
     onednn = None
-    packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (an opaque mkldnn tensor)
+    packed: torch.Tensor | None = None  # int32 [panels, K / step, PANEL_COLUMNS]: the weight in the panel layout
     packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight it was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
     def prepack(self) -> int:
-        """Keeps a copy of the weight in oneDNN's blocked layout for products past `max_rows` (which drops to
-        MAX_ROWS_PREPACKED). Returns the bytes of the copy (0: no oneDNN)."""
-        if self.onednn is None:
+        """Keeps a copy of the weight in the panel kernel's layout for products past MAX_ROWS_PREPACKED rows (the
+        few-row kernel's `max_rows` drops to that). Returns the bytes of the copy (0: no kernel for this dtype or
+        in_features here)."""
+        kernels = cpu_kernels.load()
+        weight = self.weight.detach()
+        if kernels is None or not kernels.packed_linear_supported(weight.dtype, self.in_features):
             return 0
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PREPACK_BATCH_HINT)
-        self.packed_from = (self.weight.data_ptr(), self.weight._version)
+        step = 2 if weight.dtype == torch.bfloat16 else 1
+        shape = (-(-self.out_features // PANEL_COLUMNS), self.in_features // step, PANEL_COLUMNS)
+        packed = huge_pages.zeros(shape, torch.int32)
+        self.packed = packed if packed is not None else torch.zeros(shape, dtype=torch.int32)
+        kernels.pack_linear_weight_(self.packed, weight)
+        self.packed_from = (weight.data_ptr(), weight._version)
         if self.max_rows:
-            self.max_rows = min(self.max_rows, MAX_ROWS_PREPACKED[self.weight.dtype])
-        return self.weight.numel() * self.weight.element_size()
+            self.max_rows = min(self.max_rows, MAX_ROWS_PREPACKED[weight.dtype])
+        return self.packed.numel() * self.packed.element_size()
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias (bias None: none), routed by rows."""
@@ -81,7 +93,7 @@ class FastLinear(nn.Linear):
         elif self.packed is not None:
             if self.packed_from != (weight.data_ptr(), weight._version):
                 self.prepack()  # the weight was written or replaced since (a reload): pack it again
-            out = self.onednn(flat.contiguous(), self.packed, bias, "none", [], "")
+            out = cpu_kernels.load().packed_linear(flat, self.packed, bias, self.out_features)
         elif self.onednn is not None:
             out = self.onednn(flat.contiguous(), weight, bias, "none", [], "")
         else:
@@ -99,7 +111,7 @@ def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def prepack_fast_linear(model: nn.Module) -> int:
-    """Prepacks every FastLinear of the model for oneDNN (see FastLinear.prepack); returns the bytes added."""
+    """Packs every FastLinear of the model for the panel kernel (see FastLinear.prepack); returns the bytes added."""
     return sum(m.prepack() for m in model.modules() if isinstance(m, FastLinear))
 
 
