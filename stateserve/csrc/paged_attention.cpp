@@ -182,7 +182,8 @@ void decode_task_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       __m512 dots[16];
       for (int64_t j = 0; j < n; ++j, k += head_dim) {
         __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qv[0]);
-        for (int64_t c = 1; c < nc; ++c) dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+        for (int64_t c = 1; c < nc; ++c)
+          dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
         dots[j] = dot;
       }
       for (int64_t j = n; j < 16; ++j) dots[j] = _mm512_setzero_ps();
@@ -277,15 +278,15 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
     const int64_t splits = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) / num_seqs));
     const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
     const int64_t head_stride = block_size * head_dim;
+    auto first_head = [&](int64_t task) { return (task % splits) * heads_per_task; };  // the task's kv heads:
+    auto end_head = [&](int64_t task) { return std::min(num_kv_heads, first_head(task) + heads_per_task); };  // [,)
     const std::vector<int64_t> bounds = balanced_bounds(num_seqs * splits, threads, [&](int64_t task) {
-      const int64_t kh0 = (task % splits) * heads_per_task;
-      return (seq_lens[task / splits] + 16) * std::max<int64_t>(0, std::min(num_kv_heads, kh0 + heads_per_task) - kh0);
+      return (seq_lens[task / splits] + 16) * std::max<int64_t>(0, end_head(task) - first_head(task));
     });
     at::parallel_for(0, threads, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scores, qf, acc;
       for (int64_t task = bounds[part_begin]; task < bounds[part_end]; ++task) {
-        const int64_t s = task / splits, kh0 = (task % splits) * heads_per_task;
-        const int64_t kh1 = std::min(num_kv_heads, kh0 + heads_per_task);
+        const int64_t s = task / splits, kh0 = first_head(task), kh1 = end_head(task);
         if (kh0 >= kh1) continue;
         const TaskView tv{block_tables + s * max_blocks, seq_lens[s], kh0, kh1, group, head_dim, block_size,
                           head_stride, num_kv_heads * head_stride,
