@@ -164,19 +164,28 @@ def test_mamba2_state_update_in_place_at_slots(P, N):
     assert torch.equal(states[[0, 2, 4]], untouched[[0, 2, 4]])
 
 
-@pytest.mark.parametrize("P,N", [(16, 64), (8, 128), (6, 24)])  # register paths (4 and 2 rows a pass), scalar loop
-def test_mamba2_prefill_scan_matches_chunked_ssd_with_snapshots(P, N):
+# vector tiles of 16 (P 16) and 32 channels (P 32), both in one head (P 48: the 16-channel rest has N 24, which
+# only the scalar loop takes), the scalar loop alone
+@pytest.mark.parametrize("P,N", [(16, 64), (32, 128), (48, 24), (6, 24)])
+@pytest.mark.parametrize("decay", ["mild", "steep"])  # steep: the rescaled state's factor is reset many times
+def test_mamba2_prefill_scan_matches_chunked_ssd_with_snapshots(P, N, decay):
     """The sequential SSD kernel against the chunked PyTorch form, over more tokens than one of the kernel's
-    32-token steps, resuming from a state, with snapshots inside and at the ends of those steps."""
+    128-token steps, resuming from a state, with snapshots inside and at the ends of those steps; x, B and C are
+    views into one wider buffer, as the conv's output hands them over."""
     g = torch.Generator().manual_seed(5)
-    L, H, G = 75, 4, 2
-    x, dt = torch.randn(L, H, P, generator=g), torch.rand(L, H, generator=g) * 0.5
-    A, D = -torch.rand(H, generator=g), torch.randn(H, generator=g)
-    B, C = torch.randn(L, G, N, generator=g), torch.randn(L, G, N, generator=g)
+    L, H, G = 300, 4, 2
+    xbc = torch.randn(L, H * P + 2 * G * N + 3, generator=g)
+    x = xbc[:, :H * P].view(L, H, P)
+    B, C = (xbc[:, H * P + i * G * N:H * P + (i + 1) * G * N].view(L, G, N) for i in range(2))
+    dt = torch.rand(L, H, generator=g) * (0.5 if decay == "mild" else 4.0)
+    A = -torch.rand(H, generator=g) * (1.0 if decay == "mild" else 8.0)
+    A[0] = -60.0 if decay == "steep" else A[0]  # decays that underflow to 0: the state restarts
+    D = torch.randn(H, generator=g)
     h0 = torch.randn(H, P, N, generator=g)
-    offsets = [1, 32, 40, 64]
+    offsets = [1, 128, 140, 256]
     y, final, snaps = kernels.ssd_scan_fwd(x, dt, A, B, C, D, h0, offsets)
     ref_y, ref_final = ssd_chunk_scan(x, dt, A, B, C, 16, D, h0)
+    assert torch.isfinite(y).all() and torch.isfinite(final).all()
     _close(y, ref_y, 1e-4)
     _close(final, ref_final, 1e-4)
     for j, off in enumerate(offsets):
@@ -321,22 +330,29 @@ def test_gated_rms_norm_matches_pytorch(gate_dtype, norm_before_gate, no_kernels
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_with_fused_silu_matches_pytorch(dtype, no_kernels):
-    from stateserve.layers.recurrent import causal_conv1d_prefill
+    from stateserve.layers.recurrent import causal_conv1d_prefill, conv_state_at
 
     g = torch.Generator().manual_seed(9)
     L, Cn, K = 9, 40, 4  # 40 channels: two full vectors and a remainder
-    x, w, b = (torch.randn(L, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
-               torch.randn(Cn, generator=g).to(dtype))
+    wide = torch.randn(L, Cn + 5, generator=g).to(dtype)
+    x = wide[:, 2:2 + Cn]  # a view with a row stride of its own, as the projection's output hands it over
+    w, b = torch.randn(Cn, K, generator=g).to(dtype), torch.randn(Cn, generator=g).to(dtype)
     state = torch.randn(Cn, K - 1, generator=g).to(dtype)
     no_kernels(False)
-    ref, ref_padded = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
-    plain, _ = causal_conv1d_prefill(x, w, b, state)
+    ref, ref_inputs = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
+    ref_plain, _ = causal_conv1d_prefill(x, w, b, state)
     no_kernels(True)
-    got, padded = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
-    assert got.dtype == ref.dtype == torch.float32
+    got, inputs = causal_conv1d_prefill(x, w, b, state, silu_float32=True)
+    plain, _ = causal_conv1d_prefill(x, w, b, state)
+    assert got.dtype == ref.dtype == torch.float32 and plain.dtype == dtype
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
-    assert torch.equal(padded, ref_padded)
+    _close(plain, ref_plain, 1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(inputs.padded(), ref_inputs.padded())
     assert not torch.allclose(got, plain.float(), atol=1e-2)  # the activation really is applied
+    # the conv state after any number of the chunk's tokens: the last K-1 inputs up to there
+    padded = torch.cat([state.t(), x])
+    for offset in (0, 1, K - 1, L):
+        assert torch.equal(conv_state_at(inputs, offset, K), padded[offset:offset + K - 1].t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -344,11 +360,14 @@ def test_conv_prefill_with_fused_silu_matches_pytorch(dtype, no_kernels):
 def test_step_sizes_kernel_matches_pytorch(dtype, clamp, no_kernels):
     from stateserve.layers.mamba2_mixer import Mamba2Mixer
 
-    mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=8, state_size=16, time_step_limit=(0.05, 2.0),
+    # 20 heads: one 16-lane vector and a scalar rest; dt a view into a wider buffer, as the projection gives it
+    mixer = Mamba2Mixer(hidden_size=32, num_heads=20, head_dim=8, state_size=16, time_step_limit=(0.05, 2.0),
                         dtype=dtype).to(dtype)
     g = torch.Generator().manual_seed(10)
-    dt = (torch.randn(6, 4, generator=g) * 4).to(dtype)  # spans both clamp bounds and softplus' linear regime
-    dt[0, 0] = 25.0  # past softplus' threshold (20): the identity branch
+    wide = (torch.randn(600, 23, generator=g) * 4).to(dtype)  # spans both clamp bounds and softplus' linear regime
+    dt = wide[:, 3:]
+    dt[0, 0] = dt[1, 17] = 25.0  # past softplus' threshold (20): the identity branch, in the vector and the rest
+    dt[2, :] = -30.0  # exp underflow territory: tiny but positive step sizes
     no_kernels(False)
     ref = mixer._step_sizes(dt, clamp)
     no_kernels(True)

@@ -29,8 +29,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
 bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
 torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                             bool silu_float32);
+torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tensor weight,
+                             c10::optional<torch::Tensor> bias, bool silu_float32);
 torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi);
 torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
                              double eps, bool norm_before_gate);
@@ -60,8 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);
-  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", py::arg("padded"),
-        py::arg("weight"), py::arg("bias"), py::arg("silu_float32") = false, nogil);
+  m.def("conv1d_prefill", &conv1d_prefill, "causal depthwise conv of a chunk, time-major", py::arg("x"),
+        py::arg("history"), py::arg("weight"), py::arg("bias"), py::arg("silu_float32") = false, nogil);
   m.def("dt_softplus", &dt_softplus, "Mamba2 step sizes: clamp(softplus(dt + bias)) as float32", nogil);
   m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 gated RMSNorm over channel groups, float32", nogil);
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);

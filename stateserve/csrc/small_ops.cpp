@@ -148,42 +148,66 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tens
   return out;
 }
 
-// Depthwise causal conv of one sequence's chunk in time-major layout (no transposes): padded: [K-1+L, C] (the
-// K-1 inputs before the chunk, then the chunk); weight: [C, K]; bias: [C] or empty. y[t, c] =
-// sum_k weight[c, k] * padded[t + k, c] + bias[c], summed in float32 and rounded once, as F.conv1d does.
+// One output row of conv1d_prefill, 16 channels at a time in a register (taps, bias and activation without a trip
+// through memory); returns how many channels it did (the caller does the rest). Exactly one of y_float / y_same.
+template <typename T>
+int64_t conv_row_simd(const T* const* rows, int64_t K, int64_t C, const float* wp, const float* bp, float* y_float,
+                      T* y_same) {
+  int64_t c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; c0 + 16 <= C; c0 += 16) {
+      __m512 a = _mm512_loadu_ps(bp + c0);
+      for (int64_t k = 0; k < K; ++k)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(wp + k * C + c0), stateserve_simd::load16(rows[k] + c0), a);
+      if (y_float) _mm512_storeu_ps(y_float + c0, stateserve_simd::silu_rounded_ps<T>(a));
+      else stateserve_simd::store16(y_same + c0, a);
+    }
+  }
+#endif
+  return c0;
+}
+
+// Depthwise causal conv of one sequence's chunk in time-major layout (no transposes): x: [L, C] (any row stride,
+// so a view into the input projection's output is read in place), history: [K-1, C] (the inputs before the chunk);
+// weight: [C, K]; bias: [C] or empty. With p = [history; x], y[t, c] = sum_k weight[c, k] * p[t + k, c] + bias[c],
+// summed in float32 and rounded once, as F.conv1d does.
 // silu_float32: also apply silu (rounded to the input dtype, as F.silu on y would) and return float32, the dtype
 // the scan that follows wants, so neither the activation nor the conversion costs a pass of its own.
-torch::Tensor conv1d_prefill(torch::Tensor padded, torch::Tensor weight, c10::optional<torch::Tensor> bias,
-                             bool silu_float32) {
-  TORCH_CHECK(padded.dim() == 2 && weight.dim() == 2 && padded.size(1) == weight.size(0),
-              "conv1d_prefill: padded [K-1+L, C] and weight [C, K]");
-  padded = padded.contiguous();
-  const int64_t C = weight.size(0), K = weight.size(1), L = padded.size(0) - (K - 1);
-  TORCH_CHECK(L >= 0, "conv1d_prefill: fewer rows than the kernel's history");
+torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tensor weight,
+                             c10::optional<torch::Tensor> bias, bool silu_float32) {
+  TORCH_CHECK(x.dim() == 2 && history.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(0) &&
+                  history.size(1) == weight.size(0) && history.size(0) == weight.size(1) - 1,
+              "conv1d_prefill: x [L, C], history [K-1, C] and weight [C, K]");
+  TORCH_CHECK(history.scalar_type() == x.scalar_type(), "conv1d_prefill: history and x of one dtype");
+  if (x.stride(1) != 1) x = x.contiguous();
+  history = history.contiguous();
+  const int64_t C = weight.size(0), K = weight.size(1), L = x.size(0), row_stride = x.stride(0);
   auto wt = weight.to(at::kFloat).t().contiguous();  // [K, C]: channel-contiguous taps
   torch::Tensor b = (bias.has_value() && bias->defined()) ? bias->to(at::kFloat).contiguous()
                                                          : torch::zeros({C}, wt.options());
-  auto y = torch::empty({L, C}, silu_float32 ? padded.options().dtype(at::kFloat) : padded.options());
+  auto y = torch::empty({L, C}, silu_float32 ? x.options().dtype(at::kFloat) : x.options());
   const float *wp = wt.data_ptr<float>(), *bp = b.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, padded.scalar_type(), "conv1d_prefill", [&] {
-    const scalar_t* xp = padded.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_prefill", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *hp = history.data_ptr<scalar_t>();
+    float* y_float = silu_float32 ? y.data_ptr<float>() : nullptr;
+    scalar_t* y_same = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
+    auto row = [&](int64_t i) {  // row i of [history; x]
+      return i < K - 1 ? hp + i * C : xp + (i - (K - 1)) * row_stride;
+    };
     at::parallel_for(0, L, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(C);
+      std::vector<const scalar_t*> rows(K);
       for (int64_t t = begin; t < end; ++t) {
-        std::copy(bp, bp + C, acc.begin());
-        for (int64_t k = 0; k < K; ++k) {
-          const scalar_t* row = xp + (t + k) * C;
-          const float* w = wp + k * C;
-          float* a = acc.data();
-          for (int64_t c = 0; c < C; ++c) a[c] += w[c] * static_cast<float>(row[c]);
-        }
-        if (silu_float32) {
-          float* yt = y.data_ptr<float>() + t * C;
-          int64_t c = silu_rounded_simd<scalar_t>(acc.data(), yt, C);
-          for (; c < C; ++c) yt[c] = silu_rounded<scalar_t>(acc[c]);
-        } else {
-          scalar_t* yt = y.data_ptr<scalar_t>() + t * C;
-          for (int64_t c = 0; c < C; ++c) yt[c] = static_cast<scalar_t>(acc[c]);
+        for (int64_t k = 0; k < K; ++k) rows[k] = row(t + k);
+        const int64_t c0 = conv_row_simd(rows.data(), K, C, wp, bp, silu_float32 ? y_float + t * C : nullptr,
+                                         silu_float32 ? nullptr : y_same + t * C);
+        std::copy(bp + c0, bp + C, acc.begin() + c0);
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t c = c0; c < C; ++c) acc[c] += wp[k * C + c] * static_cast<float>(rows[k][c]);
+        for (int64_t c = c0; c < C; ++c) {
+          if (silu_float32) y_float[t * C + c] = silu_rounded<scalar_t>(acc[c]);
+          else y_same[t * C + c] = static_cast<scalar_t>(acc[c]);
         }
       }
     });
@@ -263,22 +287,46 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // (any row stride), dt_bias: [H].
 torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi) {
   TORCH_CHECK(dt.dim() == 2 && dt_bias.dim() == 1 && dt_bias.size(0) == dt.size(1), "dt_softplus: dt [S, H], bias [H]");
-  dt = dt.contiguous();
+  if (dt.stride(1) != 1) dt = dt.contiguous();  // rows may be a view into the input projection's output
   // float32 bias (the layer's cached copy) is read as it is and rounded to dt's dtype below; any other dtype is
   // converted once here (two small copies: a few microseconds, as much as the step sizes of a decode step)
   auto bias = dt_bias.scalar_type() == at::kFloat ? dt_bias.contiguous() : dt_bias.to(at::kFloat).contiguous();
-  const int64_t S = dt.size(0), H = dt.size(1);
+  const int64_t S = dt.size(0), H = dt.size(1), row_stride = dt.stride(0);
   auto out = torch::empty({S, H}, dt.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt.scalar_type(), "dt_softplus", [&] {
     const scalar_t* dp = dt.data_ptr<scalar_t>();
     const float* bp = bias.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float lo_t = round_to<scalar_t>(static_cast<float>(lo)), hi_t = round_to<scalar_t>(static_cast<float>(hi));
-    for (int64_t i = 0; i < S * H; ++i) {
-      const float v = round_to<scalar_t>(static_cast<float>(dp[i]) + round_to<scalar_t>(bp[i % H]));
-      const float sp = stateserve_simd::softplus_rounded<scalar_t>(v);
-      op[i] = std::min(std::max(sp, lo_t), hi_t);
-    }
+    // a softplus costs some 16 copies' worth: a prefill's [L, H] is split across threads, a decode step's is not
+    at::parallel_for(0, S, rows_grain(16 * H, 16), [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const scalar_t* d = dp + s * row_stride;
+        float* o = op + s * H;
+        int64_t h = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float>) {  // bfloat16 keeps the scalar log1p: its rounding to 8
+          // bits would turn the vector form's last-bit differences into whole bfloat16 steps now and then
+          const __m512 lo_v = _mm512_set1_ps(lo_t), hi_v = _mm512_set1_ps(hi_t);
+          for (; h + 16 <= H; h += 16) {
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(d + h), _mm512_loadu_ps(bp + h));
+            _mm512_storeu_ps(o + h, _mm512_min_ps(_mm512_max_ps(stateserve_simd::softplus_ps(v), lo_v), hi_v));
+          }
+          if (h < H) {  // the rest in one masked vector
+            const __mmask16 m = static_cast<__mmask16>((1u << (H - h)) - 1);
+            const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, d + h), _mm512_maskz_loadu_ps(m, bp + h));
+            _mm512_mask_storeu_ps(o + h, m,
+                                  _mm512_min_ps(_mm512_max_ps(stateserve_simd::softplus_ps(v), lo_v), hi_v));
+            h = H;
+          }
+        }
+#endif
+        for (; h < H; ++h) {
+          const float v = round_to<scalar_t>(static_cast<float>(d[h]) + round_to<scalar_t>(bp[h]));
+          o[h] = std::min(std::max(stateserve_simd::softplus_rounded<scalar_t>(v), lo_t), hi_t);
+        }
+      }
+    });
   });
   return out;
 }

@@ -5,6 +5,7 @@ tensors [num_slots, *shape] to it; the layer reads and writes rows given by `Sta
 Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, C, K-1]."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -60,27 +61,41 @@ class StatefulLayer(nn.Module):
         self.states = None
 
 
+@dataclass(frozen=True)
+class ConvInput:
+    """What a chunk's causal conv read: the K-1 inputs before the chunk and the chunk itself, time-major. Kept apart
+    (not concatenated: that copy cost as much as the conv) and read by `conv_state_at`."""
+    history: torch.Tensor  # [K-1, C]
+    x: torch.Tensor  # [L, C]
+
+    def padded(self) -> torch.Tensor:
+        return torch.cat([self.history, self.x], dim=0)  # [K-1+L, C]
+
+
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           prev_state: torch.Tensor | None, silu_float32: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, ConvInput]:
     """Depthwise causal conv of one sequence's chunk, resuming from `prev_state`.
 
     x: [L, C]; weight: [C, K]; prev_state: [C, K-1] or None (zeros).
-    Returns y: [L, C] (before activation; with silu_float32, `F.silu(y).float()` in one pass) and the padded input
-    [K-1+L, C], time-major, from which `conv_state_at` reads the state after any number of the chunk's tokens."""
+    Returns y: [L, C] (before activation; with silu_float32, `F.silu(y).float()` in one pass) and the conv's input,
+    from which `conv_state_at` reads the state after any number of the chunk's tokens."""
     C, K = weight.shape
     history = prev_state.t().to(x.dtype) if prev_state is not None else x.new_zeros(K - 1, C)
-    padded = torch.cat([history, x], dim=0)  # [K-1+L, C]
+    inputs = ConvInput(history, x)
     kernels = cpu_kernels.load() if x.device.type == "cpu" else None
     if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype:
-        return kernels.conv1d_prefill(padded, weight, bias, silu_float32), padded
+        return kernels.conv1d_prefill(x, history, weight, bias, silu_float32), inputs
+    padded = inputs.padded()
     y = F.conv1d(padded.t().contiguous().unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0).t()  # [L, C]
-    return (F.silu(y).float() if silu_float32 else y), padded
+    return (F.silu(y).float() if silu_float32 else y), inputs
 
 
-def conv_state_at(padded: torch.Tensor, offset: int, kernel_size: int) -> torch.Tensor:
-    """Conv state [C, K-1] after `offset` tokens of a chunk, from the padded input of causal_conv1d_prefill."""
-    return padded[offset:offset + kernel_size - 1].t()
+def conv_state_at(inputs: ConvInput, offset: int, kernel_size: int) -> torch.Tensor:
+    """Conv state [C, K-1] after `offset` tokens of a chunk: rows offset .. offset+K-2 of [history; x]."""
+    if offset >= kernel_size - 1:
+        return inputs.x[offset - (kernel_size - 1):offset].t()
+    return torch.cat([inputs.history[offset:], inputs.x[:offset]], dim=0).t()
 
 
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
