@@ -36,6 +36,12 @@ def load():
                 # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag
                 with open(os.path.join(csrc, "simd.h"), "rb") as f:
                     header = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
+                built = os.path.join(build_dir, "stateserve_cpu_kernels.so")
+                newest = max(os.path.getmtime(p) for p in [*sources, os.path.join(csrc, "simd.h")])
+                if not os.path.exists(built) or os.path.getmtime(built) < newest:
+                    # the first run of a fresh checkout sits here for minutes; say why
+                    logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
+                                   "once per change of the sources)", build_dir)
                 _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
                                 extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSTATESERVE_SIMD_H={header}"],
                                 extra_ldflags=["-fopenmp"],
