@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import MAX_ROWS, FastLinear, _onednn_linear, install_fast_linear
+from stateserve.layers.linear import MAX_ROWS, FastLinear, _onednn_linear, _runs, install_fast_linear
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -91,9 +91,9 @@ def test_fast_linear_module_routes_by_rows_and_grad():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_products_go_through_onednn_and_match_f_linear(dtype):
-    onednn = _onednn_linear()
+    onednn = _onednn_linear(dtype)
     if onednn is None:
-        pytest.skip("no oneDNN in this torch build")
+        pytest.skip(f"no oneDNN linear for {dtype} here (bfloat16 needs AVX-512)")
     torch.manual_seed(0)
     layer = nn.Linear(384, 1152).to(dtype)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
@@ -107,6 +107,57 @@ def test_wide_products_go_through_onednn_and_match_f_linear(dtype):
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     assert not torch.allclose(out.float(), F.linear(x.float(), weight.float().roll(1, 0), bias.float()), atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_works_on_this_cpu_whatever_its_paths(dtype):
+    """Whatever this CPU lacks (AVX-512, bfloat16 in oneDNN), an installed layer must compute, not raise."""
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 200).to(dtype)
+    weight, bias = layer.weight.detach().float(), layer.bias.detach().float()
+    install_fast_linear(layer, dtype, torch.device("cpu"))
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for rows in (1, 2, 5, 300):
+        x = torch.randn(rows, 96).to(dtype)
+        with torch.no_grad():
+            out = layer(x)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), weight, bias), rtol=tol, atol=tol)
+
+
+def test_a_op_that_refuses_a_dtype_is_not_used_for_it():
+    def refuses_bfloat16(x, w, bias, *args):  # what oneDNN does on a CPU without AVX-512
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive descriptor for the inner product")
+        return F.linear(x, w, bias)
+
+    assert _runs(refuses_bfloat16, torch.float32)
+    assert not _runs(refuses_bfloat16, torch.bfloat16)
+    assert not _runs(lambda x, w, *args: F.linear(x, w) + 1, torch.float32)  # wrong answers are refused too
+
+
+def test_bfloat16_without_any_fast_path_computes_in_float32_and_says_so(monkeypatch, caplog):
+    """An AVX2-only CPU: oneDNN refuses bfloat16 and PyTorch's own bfloat16 matmul crawls, so many rows upcast."""
+    import stateserve.layers.linear as linear
+
+    monkeypatch.setattr(linear, "_onednn_linear", lambda dtype: None)
+    monkeypatch.setattr(linear.cpu_kernels, "load", lambda: None)
+    with caplog.at_level("WARNING", logger="stateserve"):
+        assert install_fast_linear(nn.Linear(4, 4), torch.float32, torch.device("cpu")) == 0
+        assert not caplog.records
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 48).bfloat16()
+        assert install_fast_linear(layer, torch.bfloat16, torch.device("cpu")) == 1
+    assert "float32" in caplog.records[0].getMessage() and layer.upcast
+    calls, plain_linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append(x.dtype) or plain_linear(x, w, b))
+    for rows in (1, linear.UPCAST_MIN_ROWS - 1, linear.UPCAST_MIN_ROWS, 100):
+        x = torch.randn(rows, 64).bfloat16()
+        with torch.no_grad():
+            out = layer(x)
+        assert out.dtype == torch.bfloat16
+        ref = plain_linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    assert calls == [torch.bfloat16] * 2 + [torch.float32] * 2
 
 
 def test_install_skips_unsupported_dtypes_and_devices():

@@ -29,31 +29,39 @@ MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
 # 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
 # 37 rows 213 / 188 / 141, 2048 rows 207 / 204 / 199. One extra copy of the weights serves every batch size.
 PANEL_COLUMNS = 48  # output columns per panel of csrc/packed_linear.cpp
+# A bfloat16 layer with neither kernel nor oneDNN (an AVX2-only CPU) computes from this many rows on in float32:
+# PyTorch's own bfloat16 matmul there ran ~1 GFLOP/s. [3072, 768] weight, 2 cores, ms (bfloat16 / float32 with the
+# weight converted each call): 4 rows 0.95 / 1.05, 16 rows 3.75 / 1.36, 64 rows 14.9 / 2.6, 512 rows 120 / 18.
+UPCAST_MIN_ROWS = 8
 
 
-def _onednn_linear():
-    """oneDNN's linear on dense weights, or None. Why not F.linear: PyTorch's float32 CPU matmul goes to MKL's
-    sgemm, which on AMD processors runs ~2x below oneDNN (150-190 vs 400+ GFLOP/s on 2 Zen 5 cores, at 64-2048
+def _onednn_linear(dtype: torch.dtype):
+    """oneDNN's linear on dense weights of `dtype`, or None. Why not F.linear: PyTorch's float32 CPU matmul goes to
+    MKL's sgemm, which on AMD processors runs ~2x below oneDNN (150-190 vs 400+ GFLOP/s on 2 Zen 5 cores, at 64-2048
     rows); for bfloat16 both reach oneDNN. The op is the one inductor's CPU backend emits for frozen linears."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if op is None:
-        return None
-    try:  # the op exists in every build we pin, but check it runs before relying on it
-        x, w = torch.ones(2, 4), torch.ones(3, 4)
-        if not torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
-            return None
+    return op if op is not None and _runs(op, dtype) else None
+
+
+def _runs(op, dtype: torch.dtype) -> bool:
+    """Whether `op` computes a small linear in `dtype` as F.linear does. The op exists in every build we pin, but
+    oneDNN refuses bfloat16 on processors without AVX-512 ("could not create a primitive descriptor")."""
+    try:
+        x, w = torch.ones(2, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype)
+        return torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w))
     except (RuntimeError, TypeError):
-        return None
-    return op
+        return False
 
 
 class FastLinear(nn.Linear):
     """nn.Linear with CPU fast paths; installed over nn.Linear instances by `install_fast_linear`. Without grad:
     at most `max_rows` rows go through the few-row kernel, more through the panel kernel when the weight is packed,
-    else through oneDNN (`onednn`), else F.linear."""
+    else through oneDNN (`onednn`), else (`upcast`, bfloat16 from UPCAST_MIN_ROWS rows) F.linear in float32, else
+    F.linear."""
 
     max_rows: int = 0
     onednn = None
+    upcast: bool = False
     packed: torch.Tensor | None = None  # int32 [panels, K / step, PANEL_COLUMNS]: the weight in the panel layout
     packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight it was made from
 
@@ -96,6 +104,8 @@ class FastLinear(nn.Linear):
             out = cpu_kernels.load().packed_linear(flat, self.packed, bias, self.out_features)
         elif self.onednn is not None:
             out = self.onednn(flat.contiguous(), weight, bias, "none", [], "")
+        elif self.upcast and rows >= UPCAST_MIN_ROWS:
+            out = F.linear(flat.float(), weight.float(), None if bias is None else bias.float()).to(weight.dtype)
         else:
             return F.linear(x, weight, bias)
         return out if two_d else out.view(*x.shape[:-1], self.out_features)
@@ -117,13 +127,18 @@ def prepack_fast_linear(model: nn.Module) -> int:
 
 def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Turn the model's CPU nn.Linear layers of a float32 or bfloat16 model into FastLinear. Returns how many layers
-    were converted (0 when neither the kernel nor oneDNN is available)."""
+    were converted (0 when neither the kernel nor oneDNN is available and the dtype is float32)."""
     if device.type != "cpu" or dtype not in MAX_ROWS:
         return 0
     kernels = cpu_kernels.load()
     max_rows = MAX_ROWS[dtype] if kernels is not None and kernels.fast_linear_supported(dtype) else 0
-    onednn = _onednn_linear()
-    if not max_rows and onednn is None:
+    onednn = _onednn_linear(dtype)
+    upcast = not max_rows and onednn is None and dtype == torch.bfloat16
+    if upcast:  # e.g. an AVX2-only CPU: PyTorch's own bfloat16 matmul crawls there (~1 GFLOP/s)
+        logger.warning("this CPU (%s) has no fast bfloat16 matmul: bfloat16 linears of %d rows or more compute in "
+                       "float32 (converting the weight each call), fewer rows in bfloat16; dtype='float32' is "
+                       "faster here", torch.backends.cpu.get_cpu_capability(), UPCAST_MIN_ROWS)
+    elif not max_rows and onednn is None:
         return 0
     count = 0
     for module in model.modules():
@@ -132,7 +147,8 @@ def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.devi
             module.__class__ = FastLinear
             module.max_rows = max_rows
             module.onednn = onednn
+            module.upcast = upcast
             count += 1
-    logger.debug("fast CPU linear on %d layers (kernel <= %d rows, oneDNN %s)", count, max_rows,
-                 "beyond" if onednn is not None else "off")
+    logger.debug("fast CPU linear on %d layers (kernel <= %d rows, oneDNN %s, float32 upcast %s)", count, max_rows,
+                 "beyond" if onednn is not None else "off", "on" if upcast else "off")
     return count
