@@ -35,6 +35,7 @@ def test_a_build_says_it_is_compiling_and_a_built_module_does_not(tmp_path, monk
             assert cpu_kernels.load() is built
         return [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
 
-    assert fresh_load() and str(tmp_path) in fresh_load()[0]  # nothing built in this cache folder yet
+    messages = fresh_load()  # nothing built in this cache folder yet
+    assert messages and str(tmp_path) in messages[0]
     (tmp_path / "cpu_kernels" / "stateserve_cpu_kernels.so").write_bytes(b"")  # newer than every source
     assert fresh_load() == []

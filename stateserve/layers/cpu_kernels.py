@@ -34,10 +34,11 @@ def load():
                 build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
                 os.makedirs(build_dir, exist_ok=True)
                 # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag
-                with open(os.path.join(csrc, "simd.h"), "rb") as f:
+                header_path = os.path.join(csrc, "simd.h")
+                with open(header_path, "rb") as f:
                     header = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
                 built = os.path.join(build_dir, "stateserve_cpu_kernels.so")
-                newest = max(os.path.getmtime(p) for p in [*sources, os.path.join(csrc, "simd.h")])
+                newest = max(os.path.getmtime(p) for p in [*sources, header_path])
                 if not os.path.exists(built) or os.path.getmtime(built) < newest:
                     # the first run of a fresh checkout sits here for minutes; say why
                     logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "

@@ -133,13 +133,14 @@ def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.devi
     kernels = cpu_kernels.load()
     max_rows = MAX_ROWS[dtype] if kernels is not None and kernels.fast_linear_supported(dtype) else 0
     onednn = _onednn_linear(dtype)
-    upcast = not max_rows and onednn is None and dtype == torch.bfloat16
-    if upcast:  # e.g. an AVX2-only CPU: PyTorch's own bfloat16 matmul crawls there (~1 GFLOP/s)
+    upcast = False
+    if not max_rows and onednn is None:
+        if dtype != torch.bfloat16:
+            return 0
+        upcast = True  # e.g. an AVX2-only CPU: PyTorch's own bfloat16 matmul crawls there (~1 GFLOP/s)
         logger.warning("this CPU (%s) has no fast bfloat16 matmul: bfloat16 linears of %d rows or more compute in "
                        "float32 (converting the weight each call), fewer rows in bfloat16; dtype='float32' is "
                        "faster here", torch.backends.cpu.get_cpu_capability(), UPCAST_MIN_ROWS)
-    elif not max_rows and onednn is None:
-        return 0
     count = 0
     for module in model.modules():
         # exact type: subclasses of nn.Linear may carry their own forward
