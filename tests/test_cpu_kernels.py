@@ -30,9 +30,10 @@ def _close(a, b, tol):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [16, 12, 40])  # unrolled 16-state path, the bounded loop (<= 32), the scalar loop
-def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, N, no_kernels):
+@pytest.mark.parametrize("D", [40, 37])  # partial lane blocks of 16 (AVX-512) and of 8 (AVX2)
+def test_mamba1_scan_matches_pytorch_chunks_and_snapshots(dtype, N, D, no_kernels):
     g = torch.Generator().manual_seed(1)
-    L, D = 70, 40  # D not a multiple of 16: a partial lane block; L spans three of the kernel's 32-token steps
+    L = 70  # spans three of the kernel's 32-token steps
     u = torch.randn(L, D, generator=g).to(dtype)
     dt = (torch.rand(L, D, generator=g) * 0.5 + 0.01).to(dtype)
     A = -torch.rand(D, N, generator=g) * 2
@@ -117,7 +118,7 @@ def test_mamba1_scan_breaks_when_state_is_not_carried(no_kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N", [16, 32, 12])  # the kernel's 16-lane path (one or two vectors) and its scalar loop
+@pytest.mark.parametrize("N", [16, 32, 12])  # the kernel's vector path (one or more vectors a row), its scalar loop
 def test_mamba1_state_update_in_place_at_slots(dtype, N, no_kernels):
     g = torch.Generator().manual_seed(3)
     S, D, slots_n = 3, 24, 6
@@ -147,7 +148,8 @@ def test_mamba1_state_update_refuses_a_slot_outside_the_cache():
     assert not state.any()
 
 
-@pytest.mark.parametrize("P,N", [(8, 16), (32, 64)])  # the scalar row loop; 16 rows a pass on vectors
+# 16-lane vectors: the scalar row loop, then 16 rows a pass; 8-lane (AVX2): 8 rows a pass for both, the last scalar
+@pytest.mark.parametrize("P,N", [(8, 16), (32, 64), (6, 16)])
 def test_mamba2_state_update_in_place_at_slots(P, N):
     g = torch.Generator().manual_seed(4)
     S, H, G, slots_n = 2, 4, 2, 5

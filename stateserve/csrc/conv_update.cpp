@@ -54,6 +54,30 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
     conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y, y_silu);
     return true;
   }
+#elif defined(STATESERVE_SIMD_AVX2)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {  // two halves of 8 channels
+    using namespace stateserve_simd;
+    constexpr int64_t kMaxW = 8;
+    if (W > kMaxW) return false;
+    alignas(32) float win[kMaxW][16];
+    for (int j = 0; j < 16; ++j)
+      for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
+    for (int h = 0; h < 16; h += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k <= W; ++k) {
+        const __m256 v = k < W ? _mm256_load_ps(win[k] + h) : load8(x + h);
+        const __m256 prod = _mm256_mul_ps(v, _mm256_loadu_ps(wt + k * ldw + h));
+        acc = _mm256_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+      }
+      const __m256 b = bias ? _mm256_loadu_ps(bias + h) : _mm256_setzero_ps();
+      const __m256 out = _mm256_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
+      if (y_silu != nullptr)
+        _mm256_storeu_ps(y_silu + h, silu_rounded_ps<T>(out));
+      else
+        store8(y + h, out);
+    }
+    return true;
+  }
 #endif
   return false;
 }
@@ -148,7 +172,7 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
   auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
   const float* wtp = taps.data_ptr<float>();
   const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
-  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector
+  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector (two AVX2 ones)
   const int64_t num_blocks = (C + kBlock - 1) / kBlock;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
     scalar_t* st = conv_state.data_ptr<scalar_t>();

@@ -5,7 +5,7 @@
 // Why a block of 16 channels at a time: with d_state = 16 a channel's state row is one vector, and per channel
 // the update is a short dependent chain (exp, update, product with C, horizontal sum, a scalar SiLU) that left
 // the core waiting (~28 us a layer for Mamba-base in float32, 42 in bfloat16). 16 channels side by side give 16
-// independent chains, one transpose-and-add for their 16 sums, and the gate on whole vectors.
+// independent chains, one transpose-and-add for their 16 sums, and the gate on whole vectors (8 with AVX2).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -23,7 +23,12 @@ struct Mamba1Args {
   int64_t ld_u, ld_dt, ld_b, ld_c, ld_z;  // row strides of u, dt_raw, B, C, z
 };
 
-// Channels [d0, d0 + 16) of sequence s, N a multiple of 16.
+// Channels [d0, d0 + kBlock) of sequence s, N a multiple of kBlock.
+#if defined(STATESERVE_SIMD_AVX2)
+constexpr int64_t kBlock = 8;
+#else
+constexpr int64_t kBlock = 16;
+#endif
 template <typename T>
 void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const T* dt_raw, const T* bias,
                   const T* B, const T* C, const T* Dskip, const T* z, T* out) {
@@ -56,10 +61,38 @@ void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const 
   const __m512 skip = round_to_ps<T>(_mm512_mul_ps(uv, load16(Dskip + d0)));
   const __m512 gate = silu_rounded_ps<T>(load16(z + s * a.ld_z + d0));
   store16(out + s * a.D + d0, round_to_ps<T>(_mm512_mul_ps(round_to_ps<T>(_mm512_add_ps(y, skip)), gate)));
+#elif defined(STATESERVE_SIMD_AVX2)
+  using namespace stateserve_simd;  // the AVX2 form: kBlock = 8 channels, rows of N in 8-lane steps
+  const __m256 raw = load8(dt_raw + s * a.ld_dt + d0), uv = load8(u + s * a.ld_u + d0);
+  const __m256 dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(_mm256_add_ps(raw, load8(bias + d0)))));
+  alignas(32) float dts[8], us[8];
+  _mm256_store_ps(dts, dtv);
+  _mm256_store_ps(us, uv);
+  const T* b = B + s * a.ld_b;
+  const T* c = C + s * a.ld_c;
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m256 dj = _mm256_set1_ps(dts[j]), uj = _mm256_set1_ps(us[j]);
+    const float* arow = a.A + (d0 + j) * a.N;
+    float* row = a.states + (a.slots[s] * a.D + d0 + j) * a.N;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t n = 0; n < a.N; n += 8) {
+      const __m256 decay = exp_ps(_mm256_mul_ps(dj, _mm256_loadu_ps(arow + n)));
+      const __m256 inject = _mm256_mul_ps(_mm256_mul_ps(dj, load8(b + n)), uj);
+      const __m256 h = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(row + n), decay), inject);
+      _mm256_storeu_ps(row + n, h);
+      sum = _mm256_fmadd_ps(round_to_ps<T>(h), load8(c + n), sum);
+    }
+    acc[j] = sum;
+  }
+  const __m256 y = round_to_ps<T>(reduce8_ps(acc));  // lane j: channel d0 + j
+  const __m256 skip = round_to_ps<T>(_mm256_mul_ps(uv, load8(Dskip + d0)));
+  const __m256 gate = silu_rounded_ps<T>(load8(z + s * a.ld_z + d0));
+  store8(out + s * a.D + d0, round_to_ps<T>(_mm256_mul_ps(round_to_ps<T>(_mm256_add_ps(y, skip)), gate)));
 #endif
 }
 
-// One channel, scalar (channels past the last block of 16, or N not a multiple of 16).
+// One channel, scalar (channels past the last block, or N not a multiple of kBlock).
 template <typename T>
 void update_channel(const Mamba1Args& a, int64_t s, int64_t d, const T* u, const T* dt_raw, const T* bias,
                     const T* B, const T* C, const T* Dskip, const T* z, T* out) {
@@ -114,15 +147,15 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
   auto out = torch::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
   const Mamba1Args args{states.data_ptr<float>(), sl, A.data_ptr<float>(), Dn, N,
                         u.stride(0), dt_raw.stride(0), B.stride(0), C.stride(0), z.stride(0)};
-#if defined(__AVX512F__)
-  const bool blocks = N % 16 == 0;
+#if defined(__AVX512F__) || defined(STATESERVE_SIMD_AVX2)
+  const bool blocks = N % kBlock == 0;
 #else
   const bool blocks = false;
 #endif
-  const int64_t num_blocks = blocks ? Dn / 16 : 0, per_seq = num_blocks + (Dn - num_blocks * 16);
-  // a task is a block of 16 channels (or one leftover channel); ~8K state elements a task at least, so a
+  const int64_t num_blocks = blocks ? Dn / kBlock : 0, per_seq = num_blocks + (Dn - num_blocks * kBlock);
+  // a task is a block of channels (or one leftover channel); ~8K state elements a task at least, so a
   // one-token step of a small model runs inline and Mamba-base's (24K) splits over two threads
-  const int64_t grain = std::max<int64_t>(1, 8192 / (16 * N));
+  const int64_t grain = std::max<int64_t>(1, 8192 / (kBlock * N));
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t *up = u.data_ptr<scalar_t>(), *dp = dt_raw.data_ptr<scalar_t>(), *bias = dt_bias.data_ptr<scalar_t>();
@@ -133,9 +166,10 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
       for (int64_t task = begin; task < end; ++task) {
         const int64_t s = task / per_seq, t = task % per_seq;
         if (t < num_blocks)
-          update_block<scalar_t>(args, s, t * 16, up, dp, bias, Bp, Cp, Dp, zp, op);
+          update_block<scalar_t>(args, s, t * kBlock, up, dp, bias, Bp, Cp, Dp, zp, op);
         else
-          update_channel<scalar_t>(args, s, num_blocks * 16 + (t - num_blocks), up, dp, bias, Bp, Cp, Dp, zp, op);
+          update_channel<scalar_t>(args, s, num_blocks * kBlock + (t - num_blocks), up, dp, bias, Bp, Cp, Dp, zp,
+                                   op);
       }
     });
   };

@@ -1,8 +1,8 @@
 // Mamba1 prefill: the selective scan of one sequence's chunk, sequential in time, with the state in registers.
 // h_t[d, n] = exp(dt_t[d] * A[d, n]) * h_{t-1}[d, n] + (dt_t[d] * B_t[n]) * u_t[d];  y_t[d] = sum_n h_t[d, n] C_t[n].
 // PyTorch has to materialise [tokens, D, N] decay and input tensors (transformers: for the whole prompt; our
-// PyTorch path: per chunk, with a log-depth scan). Here each thread owns blocks of 16 channels, keeps their N states
-// in AVX-512 registers (one lane per channel) and streams the tokens once: memory stays O(L * D), like the input.
+// PyTorch path: per chunk, with a log-depth scan). Here each thread owns blocks of 16 channels (8 with AVX2), keeps
+// their N states in vector registers (one lane per channel) and streams the tokens once: memory stays O(L * D).
 // u, dt and z are read in the model dtype T where they lie (no float32 copies), and the gated output is written in T.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -122,6 +122,87 @@ void scan_blocks_avx512(const ScanArgs<T>& p, int64_t L, int64_t begin, int64_t 
 }
 #endif
 
+#if defined(STATESERVE_SIMD_AVX2)
+// The AVX2 form of scan_block: 8 channels per block (lane j = channel d0 + j, `lanes` of them valid), the same
+// arithmetic and rounding; the state lives in a [N] array of vectors that the compiler keeps in registers as far
+// as 16 of them go.
+template <int MaxN, typename T>
+inline void scan_block8(const ScanArgs<T>& p, int64_t d0, int64_t lanes, int64_t t0, int64_t t1, const __m256* a,
+                        __m256* state) {
+  using namespace stateserve_simd;
+  constexpr bool kRound = std::is_same_v<T, at::BFloat16>;
+  const int64_t N = p.N;
+  const bool full = lanes == 8;
+  const auto load = [&](const auto* ptr) { return full ? load8(ptr) : load8_first(ptr, lanes); };
+  __m256 hv[MaxN];
+  for (int64_t n = 0; n < N; ++n) hv[n] = state[n];
+  const __m256 dskip = p.z.data ? load(p.Dskip + d0) : _mm256_setzero_ps();
+  const __m256 dt_bias = p.dt_bias ? load(p.dt_bias + d0) : _mm256_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    __m256 dtv = load(p.dt.at(t, d0));
+    if (p.dt_bias) dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(_mm256_add_ps(dtv, dt_bias))));
+    const __m256 uv = load(p.u.at(t, d0));
+    const float* bt = p.B + t * N;
+    const float* ct = p.C + t * N;
+    __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 32
+    for (int n = 0; n < MaxN; ++n) {
+      if (MaxN != 16 && n >= N) break;
+      const __m256 decay = exp_ps(_mm256_mul_ps(dtv, a[n]));
+      const __m256 inp = _mm256_mul_ps(_mm256_mul_ps(dtv, _mm256_set1_ps(bt[n])), uv);  // (dt * B) * u
+      hv[n] = _mm256_fmadd_ps(decay, hv[n], inp);
+      acc = _mm256_fmadd_ps(kRound ? round_bf16_ps(hv[n]) : hv[n], _mm256_set1_ps(ct[n]), acc);
+    }
+    if (kRound) acc = round_bf16_ps(acc);
+    if (p.z.data) {
+      acc = _mm256_fmadd_ps(uv, dskip, acc);
+      acc = _mm256_mul_ps(acc, silu_rounded_ps<T>(load(p.z.at(t, d0))));
+      T* dst = p.y_model + t * p.D + d0;
+      full ? store8(dst, acc) : store8_first(dst, lanes, acc);
+    } else {
+      float* dst = p.y_float + t * p.D + d0;
+      full ? store8(dst, acc) : store8_first(dst, lanes, acc);
+    }
+    if (p.want[t + 1] >= 0) {
+      float* dst = p.snaps + (p.want[t + 1] * p.D + d0) * N;
+      alignas(32) float lane[8];
+      for (int64_t n = 0; n < N; ++n) {
+        _mm256_store_ps(lane, hv[n]);
+        for (int64_t j = 0; j < lanes; ++j) dst[j * N + n] = lane[j];
+      }
+    }
+  }
+  for (int64_t n = 0; n < N; ++n) state[n] = hv[n];
+}
+
+// Channels [d_begin, d_end) in blocks of 8, every block advancing kTokens tokens in turn (see scan_blocks_avx512).
+template <typename T>
+void scan_blocks_avx2(const ScanArgs<T>& p, int64_t L, int64_t d_begin, int64_t d_end) {
+  constexpr int64_t kLanes = 8, kTokens = 32;
+  const int64_t N = p.N, count = (d_end - d_begin + kLanes - 1) / kLanes;
+  std::vector<__m256> states(count * N), as(count * N);  // [block][n], transposed: one lane per channel
+  alignas(32) float h_lanes[8], a_lanes[8];
+  const auto lanes_of = [&](int64_t i) { return std::min(kLanes, d_end - d_begin - i * kLanes); };
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const int64_t d = d_begin + i * kLanes + std::min(j, lanes_of(i) - 1);  // unused lanes repeat the last
+        h_lanes[j] = p.h[d * N + n], a_lanes[j] = p.A[d * N + n];
+      }
+      states[i * N + n] = _mm256_load_ps(h_lanes), as[i * N + n] = _mm256_load_ps(a_lanes);
+    }
+  const auto run = N == 16 ? scan_block8<16, T> : scan_block8<32, T>;
+  for (int64_t t0 = 0; t0 < L; t0 += kTokens)
+    for (int64_t i = 0; i < count; ++i)
+      run(p, d_begin + i * kLanes, lanes_of(i), t0, std::min(L, t0 + kTokens), &as[i * N], &states[i * N]);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t n = 0; n < N; ++n) {
+      _mm256_store_ps(h_lanes, states[i * N + n]);
+      for (int64_t j = 0; j < lanes_of(i); ++j) p.h[(d_begin + i * kLanes + j) * N + n] = h_lanes[j];
+    }
+}
+#endif
+
 // Portable path: channels [d_begin, d_end) one at a time, the same arithmetic and rounding.
 template <typename T>
 void scan_channels(const ScanArgs<T>& p, int64_t L, int64_t d_begin, int64_t d_end) {
@@ -217,6 +298,10 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
 #if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
         if (N <= 32) return scan_blocks_avx512(p, L, begin, end);
+      }
+#elif defined(STATESERVE_SIMD_AVX2)
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
+        if (N <= 32) return scan_blocks_avx2(p, L, begin * kLanes, std::min(D, end * kLanes));
       }
 #endif
       scan_channels(p, L, begin * kLanes, std::min(D, end * kLanes));

@@ -28,17 +28,17 @@ struct Factors {
 
 Factors rescale_factors(const float* dtp, const float* Ap, int64_t L, int64_t H) {
   Factors f{std::vector<float>(L * H), std::vector<float>(L * H), std::vector<float>(L * H)};
-  // exp(dt * A) of every token and head first, 16 lanes at a time (a scalar exp per token cost as much as the
+  // exp(dt * A) of every token and head first, a vector at a time (a scalar exp per token cost as much as the
   // tile's update), into `keep` ([L, H] order here); the per-head pass below only multiplies and divides.
   float* decays = f.keep.data();
   at::parallel_for(0, L, 256, [&](int64_t begin, int64_t end) {
     int64_t i = begin * H;
-#if defined(__AVX512F__)
-    for (; i + 16 <= end * H; i += 16) {
-      alignas(64) float a[16];
-      for (int j = 0; j < 16; ++j) a[j] = Ap[(i + j) % H];
-      _mm512_storeu_ps(decays + i,
-                       stateserve_simd::exp_ps(_mm512_mul_ps(_mm512_loadu_ps(dtp + i), _mm512_load_ps(a))));
+#if defined(STATESERVE_SIMD_F32VEC)
+    using Vec = stateserve_simd::F32Vec;
+    for (; i + Vec::kWidth <= end * H; i += Vec::kWidth) {
+      alignas(64) float a[Vec::kWidth];
+      for (int j = 0; j < Vec::kWidth; ++j) a[j] = Ap[(i + j) % H];
+      Vec::store(decays + i, Vec::exp(Vec::mul(Vec::load(dtp + i), Vec::load(a))));
     }
 #endif
     for (; i < end * H; ++i) decays[i] = std::exp(dtp[i] * Ap[i % H]);
@@ -66,59 +66,85 @@ struct Strides {
   int64_t x, bc;  // token strides of x and of B / C (floats)
 };
 
-#if defined(__AVX512F__)
-// Tokens t0 .. t1-1 of 16 * kVecs channels (p0 ..) of head h against kCols state columns (n0 ..): 16 state
-// vectors in registers, each broadcast column value feeds kVecs multiply-adds. u: the task's rescaled state,
-// transposed ([N][16 * kVecs]). first: this column tile writes y (with the skip term), later tiles add to it.
-template <int kVecs>
-void scan_tile(float* u, const float* xp, const float* Bp, const float* Cp, const float* keep, const float* in,
-               const float* out, float* yp, float* snaps, const int64_t* want, int64_t t0, int64_t t1, int64_t H,
-               int64_t P, int64_t N, int64_t h, int64_t g, int64_t p0, int64_t n0, Strides st, const float* skip,
-               bool first) {
-  constexpr int kCols = 16 / kVecs, kWidth = 16 * kVecs;
-  __m512 s[kCols][kVecs];
+#if defined(STATESERVE_SIMD_F32VEC)
+// Tokens t0 .. t1-1 of kWidth = W * kVecs channels (p0 ..) of head h against kCols state columns (n0 ..), with W
+// the lanes of Vec (16 with AVX-512, 8 with AVX2): kCols * kVecs state vectors in registers, each broadcast column
+// value feeds kVecs multiply-adds. u: the tile's first channel in the task's rescaled state, transposed (column n
+// at u + n * ldu). first: this column tile writes y (with the skip term), later tiles add to it.
+template <typename Vec, int kVecs, int kCols>
+void scan_tile(float* u, int64_t ldu, const float* xp, const float* Bp, const float* Cp, const float* keep,
+               const float* in, const float* out, float* yp, float* snaps, const int64_t* want, int64_t t0,
+               int64_t t1, int64_t H, int64_t P, int64_t N, int64_t h, int64_t g, int64_t p0, int64_t n0, Strides st,
+               const float* skip, bool first) {
+  using V = typename Vec::V;
+  constexpr int W = Vec::kWidth, kWidth = W * kVecs;
+  V s[kCols][kVecs];
   for (int j = 0; j < kCols; ++j)
-    for (int v = 0; v < kVecs; ++v) s[j][v] = _mm512_loadu_ps(u + (n0 + j) * kWidth + 16 * v);
+    for (int v = 0; v < kVecs; ++v) s[j][v] = Vec::load(u + (n0 + j) * ldu + W * v);
   for (int64_t t = t0; t < t1; ++t) {
     if (keep[t] != 1.f) {
-      const __m512 k = _mm512_set1_ps(keep[t]);
+      const V k = Vec::set1(keep[t]);
       for (int j = 0; j < kCols; ++j)
-        for (int v = 0; v < kVecs; ++v) s[j][v] = _mm512_mul_ps(s[j][v], k);
+        for (int v = 0; v < kVecs; ++v) s[j][v] = Vec::mul(s[j][v], k);
     }
     const float* xt = xp + t * st.x + h * P + p0;
     const float* b = Bp + t * st.bc + g * N + n0;
     const float* c = Cp + t * st.bc + g * N + n0;
-    __m512 xs[kVecs], acc[kVecs][2];
+    V xs[kVecs], acc[kVecs][2];
     for (int v = 0; v < kVecs; ++v) {
-      xs[v] = _mm512_mul_ps(_mm512_loadu_ps(xt + 16 * v), _mm512_set1_ps(in[t]));
-      acc[v][0] = acc[v][1] = _mm512_setzero_ps();
+      xs[v] = Vec::mul(Vec::load(xt + W * v), Vec::set1(in[t]));
+      acc[v][0] = acc[v][1] = Vec::zero();
     }
     for (int j = 0; j < kCols; ++j) {
-      const __m512 bj = _mm512_set1_ps(b[j]), cj = _mm512_set1_ps(c[j]);
+      const V bj = Vec::set1(b[j]), cj = Vec::set1(c[j]);
       for (int v = 0; v < kVecs; ++v) {
-        s[j][v] = _mm512_fmadd_ps(xs[v], bj, s[j][v]);
-        acc[v][j % 2] = _mm512_fmadd_ps(s[j][v], cj, acc[v][j % 2]);
+        s[j][v] = Vec::fmadd(xs[v], bj, s[j][v]);
+        acc[v][j % 2] = Vec::fmadd(s[j][v], cj, acc[v][j % 2]);
       }
     }
     float* yt = yp + (t * H + h) * P + p0;
     for (int v = 0; v < kVecs; ++v) {
-      __m512 yv = _mm512_mul_ps(_mm512_add_ps(acc[v][0], acc[v][1]), _mm512_set1_ps(out[t]));
-      if (!first) yv = _mm512_add_ps(yv, _mm512_loadu_ps(yt + 16 * v));
-      else if (skip) yv = _mm512_fmadd_ps(_mm512_set1_ps(*skip), _mm512_loadu_ps(xt + 16 * v), yv);
-      _mm512_storeu_ps(yt + 16 * v, yv);
+      V yv = Vec::mul(Vec::add(acc[v][0], acc[v][1]), Vec::set1(out[t]));
+      if (!first) yv = Vec::add(yv, Vec::load(yt + W * v));
+      else if (skip) yv = Vec::fmadd(Vec::set1(*skip), Vec::load(xt + W * v), yv);
+      Vec::store(yt + W * v, yv);
     }
     if (want[t + 1] >= 0) {  // the true state c_t U_t, back in [P, N] order
       alignas(64) float cols[kCols][kWidth];
       for (int j = 0; j < kCols; ++j)
-        for (int v = 0; v < kVecs; ++v)
-          _mm512_store_ps(cols[j] + 16 * v, _mm512_mul_ps(s[j][v], _mm512_set1_ps(out[t])));
+        for (int v = 0; v < kVecs; ++v) Vec::store(cols[j] + W * v, Vec::mul(s[j][v], Vec::set1(out[t])));
       float* dst = snaps + (want[t + 1] * H * P + h * P + p0) * N + n0;
       for (int r = 0; r < kWidth; ++r)
         for (int j = 0; j < kCols; ++j) dst[r * N + j] = cols[j][r];
     }
   }
   for (int j = 0; j < kCols; ++j)
-    for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(u + (n0 + j) * kWidth + 16 * v, s[j][v]);
+    for (int v = 0; v < kVecs; ++v) Vec::store(u + (n0 + j) * ldu + W * v, s[j][v]);
+}
+
+// A task's rows through scan_tile, if its shape has a tile: 16 state vectors in registers with AVX-512's 32, 8 with
+// AVX2's 16; tiles two vectors wide where rows and N allow, else one. Returns false (nothing done) otherwise.
+template <typename Vec>
+bool scan_rows_in_tiles(float* u, int64_t rows, const float* xp, const float* Bp, const float* Cp,
+                        const float* keep, const float* in, const float* out, float* yp, float* snaps,
+                        const int64_t* want, int64_t L, int64_t H, int64_t P, int64_t N, int64_t h, int64_t g,
+                        int64_t p0, Strides st, const float* skip) {
+  constexpr int W = Vec::kWidth, kStateVecs = W == 16 ? 16 : 8;
+  const int kVecs = rows % (2 * W) == 0 && N % (kStateVecs / 2) == 0 ? 2
+                    : rows % W == 0 && N % kStateVecs == 0          ? 1
+                                                                    : 0;
+  if (kVecs == 0) return false;
+  const int kCols = kStateVecs / kVecs;
+  // Token rows of x and y are H * P floats apart (a new page per token): the tiles take kTokens tokens in turn,
+  // so those tokens' pages are reused by every tile while they are hot.
+  constexpr int64_t kTokens = 128;
+  for (int64_t t0 = 0; t0 < L; t0 += kTokens)
+    for (int64_t q = 0; q < rows; q += W * kVecs)
+      for (int64_t n0 = 0; n0 < N; n0 += kCols)
+        (kVecs == 2 ? scan_tile<Vec, 2, kStateVecs / 2> : scan_tile<Vec, 1, kStateVecs>)(
+            u + q, rows, xp, Bp, Cp, keep, in, out, yp, snaps, want, t0, std::min(L, t0 + kTokens), H, P, N, h, g,
+            p0 + q, n0, st, skip, n0 == 0);
+  return true;
 }
 #endif
 }  // namespace
@@ -172,19 +198,11 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
       float* block = sp + (h * P + p0) * N;  // rows p0 .. p0+rows-1 of head h, updated in place
       const float skip = Dp ? Dp[h] : 0.f;
       const float *keep = f.keep.data() + h * L, *in = f.in.data() + h * L, *out = f.out.data() + h * L;
-#if defined(__AVX512F__)
-      const int kVecs = rows == 32 && N % 8 == 0 ? 2 : rows == 16 && N % 16 == 0 ? 1 : 0;
-      if (kVecs > 0) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = 0; n < N; ++n) u[n * rows + r] = block[r * N + n];
-        // Token rows of x and y are H * P floats apart (a new page per token): the column tiles take kTokens
-        // tokens in turn, so those tokens' pages are reused by every tile while they are hot.
-        constexpr int64_t kTokens = 128;
-        for (int64_t t0 = 0; t0 < L; t0 += kTokens)
-          for (int64_t n0 = 0; n0 < N; n0 += 16 / kVecs)
-            (kVecs == 2 ? scan_tile<2> : scan_tile<1>)(u.data(), xp, Bp, Cp, keep, in, out, yp, snp, want.data(),
-                                                       t0, std::min(L, t0 + kTokens), H, P, N, h, g, p0, n0, st,
-                                                       Dp ? &skip : nullptr, n0 == 0);
+#if defined(STATESERVE_SIMD_F32VEC)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < N; ++n) u[n * rows + r] = block[r * N + n];
+      if (scan_rows_in_tiles<stateserve_simd::F32Vec>(u.data(), rows, xp, Bp, Cp, keep, in, out, yp, snp,
+                                                      want.data(), L, H, P, N, h, g, p0, st, Dp ? &skip : nullptr)) {
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = 0; n < N; ++n) block[r * N + n] = out[L - 1] * u[n * rows + r];
         continue;

@@ -55,6 +55,32 @@ inline void ssd_head_update(S* state, const float* x, float dt, float A, const f
       return;
     }
   }
+#elif defined(STATESERVE_SIMD_AVX2)
+  // the same with 8-lane vectors, 8 rows at a time
+  if constexpr (std::is_same_v<S, float> || std::is_same_v<S, at::BFloat16>) {
+    if (N % 8 == 0 && P % 8 == 0) {
+      using namespace stateserve_simd;
+      const __m256 decay = _mm256_set1_ps(std::exp(dt * A));
+      for (int64_t p0 = 0; p0 < P; p0 += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) {
+          const __m256 dx = _mm256_set1_ps(x[p0 + j] * dt);
+          S* row = state + (p0 + j) * N;
+          __m256 sum = _mm256_setzero_ps();
+          for (int64_t n = 0; n < N; n += 8) {
+            const __m256 v = _mm256_fmadd_ps(load8(row + n), decay, _mm256_mul_ps(dx, _mm256_loadu_ps(b + n)));
+            store8(row + n, v);
+            sum = _mm256_fmadd_ps(v, _mm256_loadu_ps(c + n), sum);
+          }
+          acc[j] = sum;
+        }
+        __m256 yv = reduce8_ps(acc);  // lane j: row p0 + j
+        if (D) yv = _mm256_fmadd_ps(_mm256_set1_ps(*D), _mm256_loadu_ps(x + p0), yv);
+        _mm256_storeu_ps(y + p0, yv);
+      }
+      return;
+    }
+  }
 #endif
   const float decay = std::exp(dt * A);
   for (int64_t p = 0; p < P; ++p) {
