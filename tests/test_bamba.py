@@ -152,7 +152,10 @@ def test_checkpoints_through_the_model(tmp_path):
         model(tokens[:off], torch.arange(off), _prefill_meta(off, 7))
         for m in mixers:
             for key in ("conv", "ssm"):
-                torch.testing.assert_close(m.states[key][dst], m.states[key][7], atol=1e-5, rtol=1e-5)
+                # not bit-exact: where oneDNN computes the linears (CPUs without AVX-512) a row's rounding
+                # depends on the row count, and three layers carry it on (~1.5e-5 seen on states of ~20); a
+                # snapshot from the wrong token is off by O(1)
+                torch.testing.assert_close(m.states[key][dst], m.states[key][7], atol=1e-4, rtol=1e-4)
 
 
 def test_without_attention_layers_is_attention_free(tmp_path):
