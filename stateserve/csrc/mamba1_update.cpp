@@ -24,71 +24,46 @@ struct Mamba1Args {
 };
 
 // Channels [d0, d0 + kBlock) of sequence s, N a multiple of kBlock.
-#if defined(STATESERVE_SIMD_AVX2)
-constexpr int64_t kBlock = 8;
+#if defined(STATESERVE_SIMD_F32VEC)
+constexpr int64_t kBlock = stateserve_simd::F32Vec::kWidth;  // 16 with AVX-512, 8 with AVX2
 #else
 constexpr int64_t kBlock = 16;
 #endif
 template <typename T>
 void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const T* dt_raw, const T* bias,
                   const T* B, const T* C, const T* Dskip, const T* z, T* out) {
-#if defined(__AVX512F__)
+#if defined(STATESERVE_SIMD_F32VEC)
   using namespace stateserve_simd;
-  const __m512 raw = load16(dt_raw + s * a.ld_dt + d0), uv = load16(u + s * a.ld_u + d0);
-  const __m512 dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(_mm512_add_ps(raw, load16(bias + d0)))));
-  alignas(64) float dts[16], us[16];
-  _mm512_store_ps(dts, dtv);
-  _mm512_store_ps(us, uv);
+  using Vec = F32Vec;
+  using V = Vec::V;
+  constexpr int W = Vec::kWidth;
+  const V raw = Vec::load_from(dt_raw + s * a.ld_dt + d0), uv = Vec::load_from(u + s * a.ld_u + d0);
+  const V dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(Vec::add(raw, Vec::load_from(bias + d0)))));
+  alignas(64) float dts[W], us[W];
+  Vec::store(dts, dtv);
+  Vec::store(us, uv);
   const T* b = B + s * a.ld_b;
   const T* c = C + s * a.ld_c;
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) {
-    const __m512 dj = _mm512_set1_ps(dts[j]), uj = _mm512_set1_ps(us[j]);
+  V acc[W];
+  for (int j = 0; j < W; ++j) {
+    const V dj = Vec::set1(dts[j]), uj = Vec::set1(us[j]);
     const float* arow = a.A + (d0 + j) * a.N;
     float* row = a.states + (a.slots[s] * a.D + d0 + j) * a.N;
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t n = 0; n < a.N; n += 16) {
+    V sum = Vec::zero();
+    for (int64_t n = 0; n < a.N; n += W) {
       // h * exp(dt * A) + (dt * B) * u, the association of the PyTorch path
-      const __m512 decay = exp_ps(_mm512_mul_ps(dj, _mm512_loadu_ps(arow + n)));
-      const __m512 inject = _mm512_mul_ps(_mm512_mul_ps(dj, load16(b + n)), uj);
-      const __m512 h = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(row + n), decay), inject);
-      _mm512_storeu_ps(row + n, h);
-      sum = _mm512_fmadd_ps(round_to_ps<T>(h), load16(c + n), sum);  // the matmul in T reads the rounded state
+      const V decay = Vec::exp(Vec::mul(dj, Vec::load(arow + n)));
+      const V inject = Vec::mul(Vec::mul(dj, Vec::load_from(b + n)), uj);
+      const V h = Vec::add(Vec::mul(Vec::load(row + n), decay), inject);
+      Vec::store(row + n, h);
+      sum = Vec::fmadd(round_to_ps<T>(h), Vec::load_from(c + n), sum);  // the matmul in T reads the rounded state
     }
     acc[j] = sum;
   }
-  const __m512 y = round_to_ps<T>(reduce16_ps(acc));  // lane j: channel d0 + j
-  const __m512 skip = round_to_ps<T>(_mm512_mul_ps(uv, load16(Dskip + d0)));
-  const __m512 gate = silu_rounded_ps<T>(load16(z + s * a.ld_z + d0));
-  store16(out + s * a.D + d0, round_to_ps<T>(_mm512_mul_ps(round_to_ps<T>(_mm512_add_ps(y, skip)), gate)));
-#elif defined(STATESERVE_SIMD_AVX2)
-  using namespace stateserve_simd;  // the AVX2 form: kBlock = 8 channels, rows of N in 8-lane steps
-  const __m256 raw = load8(dt_raw + s * a.ld_dt + d0), uv = load8(u + s * a.ld_u + d0);
-  const __m256 dtv = round_to_ps<T>(softplus_ps(round_to_ps<T>(_mm256_add_ps(raw, load8(bias + d0)))));
-  alignas(32) float dts[8], us[8];
-  _mm256_store_ps(dts, dtv);
-  _mm256_store_ps(us, uv);
-  const T* b = B + s * a.ld_b;
-  const T* c = C + s * a.ld_c;
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) {
-    const __m256 dj = _mm256_set1_ps(dts[j]), uj = _mm256_set1_ps(us[j]);
-    const float* arow = a.A + (d0 + j) * a.N;
-    float* row = a.states + (a.slots[s] * a.D + d0 + j) * a.N;
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t n = 0; n < a.N; n += 8) {
-      const __m256 decay = exp_ps(_mm256_mul_ps(dj, _mm256_loadu_ps(arow + n)));
-      const __m256 inject = _mm256_mul_ps(_mm256_mul_ps(dj, load8(b + n)), uj);
-      const __m256 h = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(row + n), decay), inject);
-      _mm256_storeu_ps(row + n, h);
-      sum = _mm256_fmadd_ps(round_to_ps<T>(h), load8(c + n), sum);
-    }
-    acc[j] = sum;
-  }
-  const __m256 y = round_to_ps<T>(reduce8_ps(acc));  // lane j: channel d0 + j
-  const __m256 skip = round_to_ps<T>(_mm256_mul_ps(uv, load8(Dskip + d0)));
-  const __m256 gate = silu_rounded_ps<T>(load8(z + s * a.ld_z + d0));
-  store8(out + s * a.D + d0, round_to_ps<T>(_mm256_mul_ps(round_to_ps<T>(_mm256_add_ps(y, skip)), gate)));
+  const V y = round_to_ps<T>(Vec::reduce(acc));  // lane j: channel d0 + j
+  const V skip = round_to_ps<T>(Vec::mul(uv, Vec::load_from(Dskip + d0)));
+  const V gate = silu_rounded_ps<T>(Vec::load_from(z + s * a.ld_z + d0));
+  Vec::store_to(out + s * a.D + d0, round_to_ps<T>(Vec::mul(round_to_ps<T>(Vec::add(y, skip)), gate)));
 #endif
 }
 
@@ -147,7 +122,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
   auto out = torch::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
   const Mamba1Args args{states.data_ptr<float>(), sl, A.data_ptr<float>(), Dn, N,
                         u.stride(0), dt_raw.stride(0), B.stride(0), C.stride(0), z.stride(0)};
-#if defined(__AVX512F__) || defined(STATESERVE_SIMD_AVX2)
+#if defined(STATESERVE_SIMD_F32VEC)
   const bool blocks = N % kBlock == 0;
 #else
   const bool blocks = false;

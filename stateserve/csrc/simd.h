@@ -166,6 +166,11 @@ struct F32x16 {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
   static V exp(V x) { return exp_ps(x); }
+  template <typename T>
+  static V load_from(const T* p) { return load16(p); }  // T values widened to float32
+  template <typename T>
+  static void store_to(T* p, V v) { store16(p, v); }  // rounded to T
+  static V reduce(const V* v) { return reduce16_ps(v); }  // lane j: the sum of v[j]'s lanes
 };
 
 // Transposes 16 vectors of 16 32-bit lanes in place (r[i] lane j <-> r[j] lane i): unpacks within 128-bit lanes,
@@ -352,6 +357,11 @@ struct F32x8 {  // see F32x16
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V exp(V x) { return exp_ps(x); }
+  template <typename T>
+  static V load_from(const T* p) { return load8(p); }
+  template <typename T>
+  static void store_to(T* p, V v) { store8(p, v); }
+  static V reduce(const V* v) { return reduce8_ps(v); }
 };
 
 }  // namespace stateserve_simd

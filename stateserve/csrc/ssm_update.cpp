@@ -26,57 +26,33 @@ namespace {
 template <typename S>
 inline void ssd_head_update(S* state, const float* x, float dt, float A, const float* b, const float* c,
                             const float* D, int64_t P, int64_t N, float* y) {
-#if defined(__AVX512F__)
-  // N and P multiples of 16 (float32 or bfloat16 rows): explicit vectors, 16 rows at a time so that their 16 dot
-  // products with C finish in one transpose-and-add instead of 16 dependent horizontal sums (which left the core
-  // waiting: ~40 us a layer for Mamba2-base's 24 heads of 64 x 64); bfloat16 rows widened on load and rounded to
-  // nearest even on store.
+#if defined(STATESERVE_SIMD_F32VEC)
+  // N and P multiples of the vector width W (16 with AVX-512, 8 with AVX2; float32 or bfloat16 rows): explicit
+  // vectors, W rows at a time so that their W dot products with C finish in one transpose-and-add instead of W
+  // dependent horizontal sums (which left the core waiting: ~40 us a layer for Mamba2-base's 24 heads of 64 x 64
+  // on AVX-512); bfloat16 rows widened on load and rounded to nearest even on store.
   if constexpr (std::is_same_v<S, float> || std::is_same_v<S, at::BFloat16>) {
-    if (N % 16 == 0 && P % 16 == 0) {
-      using namespace stateserve_simd;
-      const __m512 decay = _mm512_set1_ps(std::exp(dt * A));
-      for (int64_t p0 = 0; p0 < P; p0 += 16) {
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) {
-          const __m512 dx = _mm512_set1_ps(x[p0 + j] * dt);
+    using Vec = stateserve_simd::F32Vec;
+    using V = Vec::V;
+    constexpr int W = Vec::kWidth;
+    if (N % W == 0 && P % W == 0) {
+      const V decay = Vec::set1(std::exp(dt * A));
+      for (int64_t p0 = 0; p0 < P; p0 += W) {
+        V acc[W];
+        for (int j = 0; j < W; ++j) {
+          const V dx = Vec::set1(x[p0 + j] * dt);
           S* row = state + (p0 + j) * N;
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t n = 0; n < N; n += 16) {
-            const __m512 v = _mm512_fmadd_ps(load16(row + n), decay, _mm512_mul_ps(dx, _mm512_loadu_ps(b + n)));
-            store16(row + n, v);
-            sum = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + n), sum);
+          V sum = Vec::zero();
+          for (int64_t n = 0; n < N; n += W) {
+            const V v = Vec::fmadd(Vec::load_from(row + n), decay, Vec::mul(dx, Vec::load(b + n)));
+            Vec::store_to(row + n, v);
+            sum = Vec::fmadd(v, Vec::load(c + n), sum);
           }
           acc[j] = sum;
         }
-        __m512 yv = reduce16_ps(acc);  // lane j: row p0 + j
-        if (D) yv = _mm512_fmadd_ps(_mm512_set1_ps(*D), _mm512_loadu_ps(x + p0), yv);
-        _mm512_storeu_ps(y + p0, yv);
-      }
-      return;
-    }
-  }
-#elif defined(STATESERVE_SIMD_AVX2)
-  // the same with 8-lane vectors, 8 rows at a time
-  if constexpr (std::is_same_v<S, float> || std::is_same_v<S, at::BFloat16>) {
-    if (N % 8 == 0 && P % 8 == 0) {
-      using namespace stateserve_simd;
-      const __m256 decay = _mm256_set1_ps(std::exp(dt * A));
-      for (int64_t p0 = 0; p0 < P; p0 += 8) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) {
-          const __m256 dx = _mm256_set1_ps(x[p0 + j] * dt);
-          S* row = state + (p0 + j) * N;
-          __m256 sum = _mm256_setzero_ps();
-          for (int64_t n = 0; n < N; n += 8) {
-            const __m256 v = _mm256_fmadd_ps(load8(row + n), decay, _mm256_mul_ps(dx, _mm256_loadu_ps(b + n)));
-            store8(row + n, v);
-            sum = _mm256_fmadd_ps(v, _mm256_loadu_ps(c + n), sum);
-          }
-          acc[j] = sum;
-        }
-        __m256 yv = reduce8_ps(acc);  // lane j: row p0 + j
-        if (D) yv = _mm256_fmadd_ps(_mm256_set1_ps(*D), _mm256_loadu_ps(x + p0), yv);
-        _mm256_storeu_ps(y + p0, yv);
+        V yv = Vec::reduce(acc);  // lane j: row p0 + j
+        if (D) yv = Vec::fmadd(Vec::set1(*D), Vec::load(x + p0), yv);
+        Vec::store(y + p0, yv);
       }
       return;
     }
