@@ -195,6 +195,22 @@ def test_mamba2_prefill_scan_matches_chunked_ssd_with_snapshots(P, N, decay):
         _close(snaps[j], ref_state, 1e-4)
 
 
+@pytest.mark.parametrize("P,N", [(16, 64), (6, 24)])  # a vector tile, the scalar loop
+def test_mamba2_prefill_snapshot_is_the_state_of_the_prompt_that_stops_there(P, N):
+    """Bit for bit: a prefix-cache snapshot must not depend on how many tokens follow it in the same chunk (nor on
+    where the threads' share of tokens ends)."""
+    g = torch.Generator().manual_seed(6)
+    L, H, G = 300, 3, 1
+    x, dt = torch.randn(L, H, P, generator=g), torch.rand(L, H, generator=g)
+    B, C = torch.randn(L, G, N, generator=g), torch.randn(L, G, N, generator=g)
+    A, D, h0 = -torch.rand(H, generator=g), torch.randn(H, generator=g), torch.randn(H, P, N, generator=g)
+    offsets = [5, 131, 257]
+    _, _, snaps = kernels.ssd_scan_fwd(x, dt, A, B, C, D, h0, offsets)
+    for j, off in enumerate(offsets):
+        _, final, _ = kernels.ssd_scan_fwd(x[:off], dt[:off], A, B[:off], C[:off], D, h0, [])
+        assert torch.equal(snaps[j], final), off
+
+
 @pytest.mark.parametrize("dtype,float_accumulate", [(torch.float32, False), (torch.bfloat16, False),
                                                      (torch.bfloat16, True)])
 @pytest.mark.parametrize("K", [2, 4, 5, 6])  # bfloat16 windows of 1-4 inputs take the word-permute path, 5 not

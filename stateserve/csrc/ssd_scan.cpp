@@ -31,17 +31,22 @@ Factors rescale_factors(const float* dtp, const float* Ap, int64_t L, int64_t H)
   // exp(dt * A) of every token and head first, a vector at a time (a scalar exp per token cost as much as the
   // tile's update), into `keep` ([L, H] order here); the per-head pass below only multiplies and divides.
   float* decays = f.keep.data();
+  // Every decay goes through the same exp (the chunk's tail too, padded to a vector), so a token's decay, and so
+  // a snapshot after it, does not depend on how many tokens follow or where the threads' chunks end.
   at::parallel_for(0, L, 256, [&](int64_t begin, int64_t end) {
-    int64_t i = begin * H;
 #if defined(STATESERVE_SIMD_F32VEC)
     using Vec = stateserve_simd::F32Vec;
-    for (; i + Vec::kWidth <= end * H; i += Vec::kWidth) {
-      alignas(64) float a[Vec::kWidth];
-      for (int j = 0; j < Vec::kWidth; ++j) a[j] = Ap[(i + j) % H];
-      Vec::store(decays + i, Vec::exp(Vec::mul(Vec::load(dtp + i), Vec::load(a))));
+    constexpr int W = Vec::kWidth;
+    for (int64_t i = begin * H; i < end * H; i += W) {
+      const int64_t n = std::min<int64_t>(W, end * H - i);
+      alignas(64) float a[W] = {}, d[W] = {};
+      for (int j = 0; j < n; ++j) a[j] = Ap[(i + j) % H], d[j] = dtp[i + j];
+      Vec::store(d, Vec::exp(Vec::mul(Vec::load(d), Vec::load(a))));
+      std::copy(d, d + n, decays + i);
     }
+#else
+    for (int64_t i = begin * H; i < end * H; ++i) decays[i] = std::exp(dtp[i] * Ap[i % H]);
 #endif
-    for (; i < end * H; ++i) decays[i] = std::exp(dtp[i] * Ap[i % H]);
   });
   std::vector<float> decay_t(L * H);  // [H, L]: a head's decays in a row
   for (int64_t t = 0; t < L; ++t)
@@ -122,10 +127,11 @@ void scan_tile(float* u, int64_t ldu, const float* xp, const float* Bp, const fl
     for (int v = 0; v < kVecs; ++v) Vec::store(u + (n0 + j) * ldu + W * v, s[j][v]);
 }
 
-// A task's rows through scan_tile, if its shape has a tile: 16 state vectors in registers with AVX-512's 32, 8 with
-// AVX2's 16; tiles two vectors wide where rows and N allow, else one. Returns false (nothing done) otherwise.
+// A task's rows (block: [rows, N], updated in place) through scan_tile, if its shape has a tile: 16 state vectors
+// in registers with AVX-512's 32, 8 with AVX2's 16; tiles two vectors wide where rows and N allow, else one.
+// u: scratch for the rescaled state, transposed. Returns false (nothing done) when no tile fits.
 template <typename Vec>
-bool scan_rows_in_tiles(float* u, int64_t rows, const float* xp, const float* Bp, const float* Cp,
+bool scan_rows_in_tiles(float* block, float* u, int64_t rows, const float* xp, const float* Bp, const float* Cp,
                         const float* keep, const float* in, const float* out, float* yp, float* snaps,
                         const int64_t* want, int64_t L, int64_t H, int64_t P, int64_t N, int64_t h, int64_t g,
                         int64_t p0, Strides st, const float* skip) {
@@ -135,6 +141,8 @@ bool scan_rows_in_tiles(float* u, int64_t rows, const float* xp, const float* Bp
                                                                     : 0;
   if (kVecs == 0) return false;
   const int kCols = kStateVecs / kVecs;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) u[n * rows + r] = block[r * N + n];
   // Token rows of x and y are H * P floats apart (a new page per token): the tiles take kTokens tokens in turn,
   // so those tokens' pages are reused by every tile while they are hot.
   constexpr int64_t kTokens = 128;
@@ -144,6 +152,8 @@ bool scan_rows_in_tiles(float* u, int64_t rows, const float* xp, const float* Bp
         (kVecs == 2 ? scan_tile<Vec, 2, kStateVecs / 2> : scan_tile<Vec, 1, kStateVecs>)(
             u + q, rows, xp, Bp, Cp, keep, in, out, yp, snaps, want, t0, std::min(L, t0 + kTokens), H, P, N, h, g,
             p0 + q, n0, st, skip, n0 == 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < N; ++n) block[r * N + n] = out[L - 1] * u[n * rows + r];
   return true;
 }
 #endif
@@ -199,14 +209,9 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
       const float skip = Dp ? Dp[h] : 0.f;
       const float *keep = f.keep.data() + h * L, *in = f.in.data() + h * L, *out = f.out.data() + h * L;
 #if defined(STATESERVE_SIMD_F32VEC)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < N; ++n) u[n * rows + r] = block[r * N + n];
-      if (scan_rows_in_tiles<stateserve_simd::F32Vec>(u.data(), rows, xp, Bp, Cp, keep, in, out, yp, snp,
-                                                      want.data(), L, H, P, N, h, g, p0, st, Dp ? &skip : nullptr)) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = 0; n < N; ++n) block[r * N + n] = out[L - 1] * u[n * rows + r];
+      if (scan_rows_in_tiles<stateserve_simd::F32Vec>(block, u.data(), rows, xp, Bp, Cp, keep, in, out, yp, snp,
+                                                      want.data(), L, H, P, N, h, g, p0, st, Dp ? &skip : nullptr))
         continue;
-      }
 #endif
       // Any shape: the plain recurrence, a row at a time.
       for (int64_t t = 0; t < L; ++t) {
