@@ -33,12 +33,15 @@ def load():
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
                 build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
                 os.makedirs(build_dir, exist_ok=True)
-                # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag
-                header_path = os.path.join(csrc, "simd.h")
-                with open(header_path, "rb") as f:
-                    header = hashlib.blake2b(f.read(), digest_size=8).hexdigest()
+                # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+                header_paths = sorted(os.path.join(csrc, n) for n in os.listdir(csrc) if n.endswith(".h"))
+                digest = hashlib.blake2b(digest_size=8)
+                for path in header_paths:
+                    with open(path, "rb") as f:
+                        digest.update(f.read())
+                header = digest.hexdigest()
                 built = os.path.join(build_dir, "stateserve_cpu_kernels.so")
-                newest = max(os.path.getmtime(p) for p in [*sources, header_path])
+                newest = max(os.path.getmtime(p) for p in [*sources, *header_paths])
                 if not os.path.exists(built) or os.path.getmtime(built) < newest:
                     # the first run of a fresh checkout sits here for minutes; say why
                     logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
