@@ -22,6 +22,8 @@ logger = logging.getLogger("stateserve")
 
 # Up to how many rows the few-row kernel beats the alternative, by dtype (measured on the benchmark machine, Zen 5
 # with AVX-512, at the 30m and base shapes): ~16 rows against oneDNN on plain weights, ~2 against the panel kernel.
+# On an AVX2-only Zen 3 (float32 only; no panel kernel there) the kernel also led oneDNN up to 16 rows (1.0-2x at
+# 8-16 rows of the base shapes, 2-5x at 1-4 rows of the small ones).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
 # Why the panel kernel and not oneDNN past two rows: Llama-base layer shapes, GFLOP/s on two cores (panel kernel /
