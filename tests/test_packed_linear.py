@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import MAX_ROWS_PREPACKED, PANEL_COLUMNS, install_fast_linear, prepack_fast_linear
+from stateserve.layers.linear import PANEL_COLUMNS, install_fast_linear, max_rows_prepacked, prepack_fast_linear
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -86,7 +86,7 @@ def test_panel_kernel_rejects_what_it_cannot_do():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_packed_weights_route_match_and_follow_weight_changes(dtype):
-    """After prepack, products of more than MAX_ROWS_PREPACKED rows use the panel copy: same results as F.linear, and
+    """After prepack, products of more than max_rows_prepacked rows use the panel copy: same results as F.linear, and
     a weight written in place or replaced after packing is packed again, never served stale."""
     _skip_unless(dtype)
     torch.manual_seed(0)
@@ -94,7 +94,7 @@ def test_packed_weights_route_match_and_follow_weight_changes(dtype):
     install_fast_linear(layer, dtype, torch.device("cpu"))
     assert prepack_fast_linear(layer) == 5 * (96 // (2 if dtype == torch.bfloat16 else 1)) * PANEL_COLUMNS * 4
     assert layer.packed is not None and layer.packed.dtype == torch.int32
-    assert layer.max_rows == MAX_ROWS_PREPACKED[dtype]
+    assert layer.max_rows == max_rows_prepacked(dtype)
     x = torch.randn(40, 96).to(dtype)
 
     def check() -> None:
@@ -105,12 +105,13 @@ def test_packed_weights_route_match_and_follow_weight_changes(dtype):
     packed = layer.packed
     calls = []
     real = kernels.packed_linear
-    with pytest.MonkeyPatch.context() as mp:  # 40 rows and 3 rows through the panel copy, 2 rows through the other
+    few = max_rows_prepacked(dtype)
+    with pytest.MonkeyPatch.context() as mp:  # 40 rows and few + 1 through the panel copy, `few` through the other
         mp.setattr(kernels, "packed_linear", lambda x, p, *a: calls.append((x.shape[0], p)) or real(x, p, *a))
         layer(x)
-        layer(x[:3])
-        layer(x[:2])
-    assert [n for n, _ in calls] == [40, 3] and all(p is packed for _, p in calls)
+        layer(x[:few + 1])
+        layer(x[:few])
+    assert [n for n, _ in calls] == [40, few + 1] and all(p is packed for _, p in calls)
     layer.weight.mul_(-1)  # in place (a weight reload copies into the parameter)
     check()
     assert layer.packed is not packed

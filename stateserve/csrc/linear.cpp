@@ -306,6 +306,15 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64
 
 }  // namespace
 
+// float32 lanes of this build's widest vector (16: AVX-512, 8: AVX2, 0: neither): FastLinear's row thresholds.
+int64_t simd_float32_lanes() {
+#if defined(STATESERVE_SIMD_F32VEC)
+  return stateserve_simd::F32Vec::kWidth;
+#else
+  return 0;
+#endif
+}
+
 bool fast_linear_supported(c10::ScalarType dtype) {
   if (dtype == at::kFloat) return SS_HAVE_AVX512 || SS_HAVE_AVX2;
   if (dtype == at::kBFloat16) return SS_HAVE_AVX512BF16;

@@ -26,6 +26,18 @@ logger = logging.getLogger("stateserve")
 # 8-16 rows of the base shapes, 2-5x at 1-4 rows of the small ones).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
+# With AVX2's 8-lane vectors (float32 only) the few-row kernel led the panel kernel up to 4 rows and trailed it from 8
+# (2 Zen 3 cores, GFLOP/s few-row / panel: [3072, 768] 4 rows 98 / 82, 8 rows 105 / 122; [768, 1536] 88 / 77 and
+# 89 / 121); both led oneDNN at every row count from 3 to 512 (the panel kernel by 1.03-2.4x).
+MAX_ROWS_PREPACKED_8_LANES = {torch.float32: 4}
+
+
+def max_rows_prepacked(dtype: torch.dtype) -> int:
+    """Up to how many rows a prepacked layer of `dtype` keeps using the few-row kernel, for this build's vectors."""
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.simd_float32_lanes() == 8:
+        return MAX_ROWS_PREPACKED_8_LANES.get(dtype, 0)
+    return MAX_ROWS_PREPACKED[dtype]
 # Why the panel kernel and not oneDNN past two rows: Llama-base layer shapes, GFLOP/s on two cores (panel kernel /
 # oneDNN on its own blocked copy of the weight / oneDNN on the plain weight): bfloat16 8 rows 370 / 212 / 96,
 # 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
@@ -71,7 +83,7 @@ class FastLinear(nn.Linear):
         return self.product(x, self.bias)
 
     def prepack(self) -> int:
-        """Keeps a copy of the weight in the panel kernel's layout for products past MAX_ROWS_PREPACKED rows (the
+        """Keeps a copy of the weight in the panel kernel's layout for products past max_rows_prepacked rows (the
         few-row kernel's `max_rows` drops to that). Returns the bytes of the copy (0: no kernel for this dtype or
         in_features here)."""
         kernels = cpu_kernels.load()
@@ -85,7 +97,7 @@ class FastLinear(nn.Linear):
         kernels.pack_linear_weight_(self.packed, weight)
         self.packed_from = (weight.data_ptr(), weight._version)
         if self.max_rows:
-            self.max_rows = min(self.max_rows, MAX_ROWS_PREPACKED[weight.dtype])
+            self.max_rows = min(self.max_rows, max_rows_prepacked(weight.dtype))
         return self.packed.numel() * self.packed.element_size()
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
