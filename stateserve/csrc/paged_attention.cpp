@@ -7,9 +7,13 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include "paged_attention.h"
 #include "simd.h"
 
 namespace {
+using stateserve_attention::TaskView;
+using stateserve_attention::prefetch_piece;
+using stateserve_attention::walk_keys;
 // scores: [group, len] -> exp(score - row max) in place; returns each row's sum (the softmax denominators).
 std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
   std::vector<float> denom(group);
@@ -28,39 +32,6 @@ std::vector<float> exp_scores_(float* scores, int64_t group, int64_t len) {
 using stateserve_simd::exp_ps;
 using stateserve_simd::load_row16;
 using stateserve_simd::pair_index;
-
-// Where a task reads: kv heads [kh0, kh1) of one sequence of `len` keys, whose blocks `table` lists, in a cache laid
-// out [num_blocks, num_kv_heads, block_size, head_dim]: one head's keys of a block are one contiguous piece.
-struct TaskView {
-  const int64_t* table;
-  int64_t len, kh0, kh1, group, head_dim, block_size, head_stride, block_stride, piece_bytes;
-  int64_t num_query_heads() const { return (kh1 - kh0) * group; }
-  int64_t score_stride() const { return len + 16; }  // per head: room for a full 16-lane store at any key
-};
-
-// Visits the keys of one cache in groups of at most 16 within a block: fn(t0, n, rows, next) with rows pointing at
-// key t0 of kv head 0 (kv head h: + h * head_stride), and next at the following block on a block's first group
-// (else null), for fn to prefetch that block's piece of each head as it takes the head: spread out like that, the
-// prefetches measured 7-25% faster than issuing the whole block's at once.
-template <typename scalar_t, typename Fn>
-inline void walk_keys(const scalar_t* cache, const TaskView& tv, Fn&& fn) {
-  const int64_t num_blocks = (tv.len + tv.block_size - 1) / tv.block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const scalar_t* base = cache + tv.table[b] * tv.block_stride;
-    const char* next =
-        b + 1 < num_blocks ? reinterpret_cast<const char*>(cache + tv.table[b + 1] * tv.block_stride) : nullptr;
-    const int64_t keys = std::min(tv.block_size, tv.len - b * tv.block_size);
-    for (int64_t o = 0; o < keys; o += 16)
-      fn(b * tv.block_size + o, std::min<int64_t>(16, keys - o), base + o * tv.head_dim, o == 0 ? next : nullptr);
-  }
-}
-
-// kv head kv's piece of the next block, into L2 (into L1 it evicts what is being computed; without it a pass
-// waits on every piece).
-inline void prefetch_piece(const char* next, int64_t kv, const TaskView& tv) {
-  if (next == nullptr) return;
-  for (int64_t x = 0; x < tv.piece_bytes; x += 64) _mm_prefetch(next + kv * tv.piece_bytes + x, _MM_HINT_T1);
-}
 
 // scores: [nh, stride], the first len of each row valid -> softmax numerators exp(score - row max) in place (lanes
 // past len masked out of the max and the sum); inv[i] = 1 / row i's sum.
@@ -272,7 +243,12 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
                           int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
 #if defined(__AVX512F__)
-  if (head_dim % 16 == 0 && head_dim <= 256 && num_heads <= 256) {
+  const bool vector_task = head_dim % 16 == 0;
+#else  // AVX2: float32 only
+  const bool vector_task = std::is_same_v<scalar_t, float> && head_dim % 8 == 0 &&
+                           stateserve_attention::decode_task_f32x8_supported();
+#endif
+  if (vector_task && head_dim <= 256 && num_heads <= 256) {
     // A task is a sequence's kv heads, split only when there are too few sequences to keep every thread busy.
     const int64_t threads = at::get_num_threads();
     const int64_t splits = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) / num_seqs));
@@ -292,12 +268,17 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
                           head_stride, num_kv_heads * head_stride,
                           head_stride * static_cast<int64_t>(sizeof(scalar_t))};
         const int64_t first = (s * num_heads + kh0 * group) * head_dim;  // the task's first query head
+#if defined(__AVX512F__)
         decode_task_dispatch(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf, acc);
+#else
+        if constexpr (std::is_same_v<scalar_t, float>)
+          stateserve_attention::decode_task_f32x8(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf,
+                                                  acc);
+#endif
       }
     });
     return;
   }
-#endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {

@@ -35,12 +35,13 @@ template <typename T>
 void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
   const float r = 1.f / std::sqrt(sum_of_squares(in, H) / static_cast<float>(H) + eps);
   int64_t h = 0;
-#if defined(__AVX512F__)
+#if defined(STATESERVE_SIMD_F32VEC)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
-    const __m512 rv = _mm512_set1_ps(r);
-    for (; h + 16 <= H; h += 16)
-      store16(out + h, _mm512_mul_ps(load16(w + h), round_to_ps<T>(_mm512_mul_ps(load16(in + h), rv))));
+    using V = F32Vec;
+    const auto rv = V::set1(r);
+    for (; h + V::kWidth <= H; h += V::kWidth)
+      V::store_to(out + h, V::mul(V::load_from(w + h), round_to_ps<T>(V::mul(V::load_from(in + h), rv))));
   }
 #endif
   for (; h < H; ++h) {
@@ -49,16 +50,17 @@ void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
   }
 }
 
-// The vectorised prefix of one silu_and_mul row (float32 and bfloat16 on AVX-512); returns how many elements it
-// did, the caller finishes the rest.
+// The vectorised prefix of one silu_and_mul row (float32 and bfloat16, AVX-512 or AVX2); returns how many elements
+// it did, the caller finishes the rest.
 template <typename T>
 int64_t silu_and_mul_simd(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(STATESERVE_SIMD_F32VEC)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
-    for (; i + 16 <= n; i += 16)
-      store16(o + i, _mm512_mul_ps(round_to_ps<T>(silu_ps(load16(g + i))), load16(u + i)));
+    using V = F32Vec;
+    for (; i + V::kWidth <= n; i += V::kWidth)
+      V::store_to(o + i, V::mul(round_to_ps<T>(silu_ps(V::load_from(g + i))), V::load_from(u + i)));
   }
 #endif
   return i;
@@ -94,8 +96,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 namespace {
 template <typename R, typename X, typename W>
 void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_t H, float eps) {
-#if defined(__AVX512F__)
+#if defined(STATESERVE_SIMD_F32VEC)
   using namespace stateserve_simd;
+  using V = F32Vec;
 #endif
   at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -103,11 +106,11 @@ void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_
       const X* xr = x + m * H;
       W* o = out + m * H;
       int64_t h = 0;
-#if defined(__AVX512F__)
-      for (; h + 16 <= H; h += 16) {  // store16 rounds to nearest even, as the casts below
-        const __m512 sum = round_to_ps<R>(_mm512_add_ps(load16(r + h), load16(xr + h)));
-        store16(r + h, sum);
-        store16(o + h, sum);
+#if defined(STATESERVE_SIMD_F32VEC)
+      for (; h + V::kWidth <= H; h += V::kWidth) {  // store_to rounds to nearest even, as the casts below
+        const auto sum = round_to_ps<R>(V::add(V::load_from(r + h), V::load_from(xr + h)));
+        V::store_to(r + h, sum);
+        V::store_to(o + h, sum);
       }
 #endif
       for (; h < H; ++h) {
@@ -148,20 +151,20 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tens
   return out;
 }
 
-// One output row of conv1d_prefill, 16 channels at a time in a register (taps, bias and activation without a trip
+// One output row of conv1d_prefill, a vector of channels at a time in a register (taps, bias and activation without a trip
 // through memory); returns how many channels it did (the caller does the rest). Exactly one of y_float / y_same.
 template <typename T>
 int64_t conv_row_simd(const T* const* rows, int64_t K, int64_t C, const float* wp, const float* bp, float* y_float,
                       T* y_same) {
   int64_t c0 = 0;
-#if defined(__AVX512F__)
+#if defined(STATESERVE_SIMD_F32VEC)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-    for (; c0 + 16 <= C; c0 += 16) {
-      __m512 a = _mm512_loadu_ps(bp + c0);
-      for (int64_t k = 0; k < K; ++k)
-        a = _mm512_fmadd_ps(_mm512_loadu_ps(wp + k * C + c0), stateserve_simd::load16(rows[k] + c0), a);
-      if (y_float) _mm512_storeu_ps(y_float + c0, stateserve_simd::silu_rounded_ps<T>(a));
-      else stateserve_simd::store16(y_same + c0, a);
+    using V = stateserve_simd::F32Vec;
+    for (; c0 + V::kWidth <= C; c0 += V::kWidth) {
+      auto a = V::load(bp + c0);
+      for (int64_t k = 0; k < K; ++k) a = V::fmadd(V::load(wp + k * C + c0), V::load_from(rows[k] + c0), a);
+      if (y_float) V::store(y_float + c0, stateserve_simd::silu_rounded_ps<T>(a));
+      else V::store_to(y_same + c0, a);
     }
   }
 #endif
