@@ -17,3 +17,16 @@ def tokenizer_dir(tmp_path_factory):
     from utils import make_tokenizer
 
     return make_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """no_kernels(True) runs the C++ kernels, no_kernels(False) the PyTorch fallbacks: the reference the kernels must
+    reproduce."""
+    from stateserve.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+
+    def use(enabled: bool) -> None:
+        monkeypatch.setattr(cpu_kernels, "load", (lambda: kernels) if enabled else (lambda: None))
+    return use
