@@ -17,17 +17,21 @@ def _close(a, b, tol):
     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
+def _conv_case(seed: int, dtype: torch.dtype, channels: int, K: int):
+    """Three sequences' new inputs at slots 2, 0, 4 of a 5-slot conv state, weights and bias: (state, a copy of it
+    for the reference, slots, x, weight, bias)."""
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(5, channels, K - 1, generator=g).to(dtype)
+    x, w, b = (torch.randn(3, channels, generator=g).to(dtype), torch.randn(channels, K, generator=g).to(dtype),
+               torch.randn(channels, generator=g).to(dtype))
+    return conv, conv.clone(), torch.tensor([2, 0, 4]), x, w, b
+
+
 @pytest.mark.parametrize("dtype,float_accumulate", [(torch.float32, False), (torch.bfloat16, False),
                                                      (torch.bfloat16, True)])
 @pytest.mark.parametrize("K", [2, 4, 5, 6])  # bfloat16 windows of 1-4 inputs take the word-permute path, 5 not
 def test_conv_update_matches_pytorch(dtype, float_accumulate, K, no_kernels):
-    g = torch.Generator().manual_seed(5)
-    S, Cn, slots_n = 3, 36, 5  # two 16-channel blocks and a remainder
-    conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
-    ref_conv = conv.clone()
-    slots = torch.tensor([2, 0, 4])
-    x, w, b = (torch.randn(S, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
-               torch.randn(Cn, generator=g).to(dtype))
+    conv, ref_conv, slots, x, w, b = _conv_case(5, dtype, 36, K)  # 36: two 16-channel blocks and a remainder
     no_kernels(False)
     ref = causal_conv1d_decode(x, w, b, ref_conv, slots, float_accumulate)
     no_kernels(True)
@@ -206,13 +210,7 @@ def test_step_sizes_kernel_matches_pytorch(dtype, clamp, no_kernels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_update_with_fused_silu_matches_pytorch(dtype, no_kernels):
-    g = torch.Generator().manual_seed(11)
-    S, Cn, K, slots_n = 3, 40, 4, 5  # 40 channels: two full vectors and a remainder
-    conv = torch.randn(slots_n, Cn, K - 1, generator=g).to(dtype)
-    ref_conv = conv.clone()
-    slots = torch.tensor([2, 0, 4])
-    x, w, b = (torch.randn(S, Cn, generator=g).to(dtype), torch.randn(Cn, K, generator=g).to(dtype),
-               torch.randn(Cn, generator=g).to(dtype))
+    conv, ref_conv, slots, x, w, b = _conv_case(11, dtype, 40, 4)  # 40 channels: two full vectors and a remainder
     no_kernels(False)
     ref = causal_conv1d_decode(x, w, b, ref_conv, slots, silu_float32=True)
     no_kernels(True)
