@@ -244,7 +244,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   const int64_t group = num_heads / num_kv_heads;
 #if defined(__AVX512F__)
   const bool vector_task = head_dim % 16 == 0;
-#else  // AVX2: float32 only
+#else  // the AVX2 float32 task, in builds that have it (no-SIMD builds: the portable loop below)
   const bool vector_task = std::is_same_v<scalar_t, float> && head_dim % 8 == 0 &&
                            stateserve_attention::decode_task_f32x8_supported();
 #endif

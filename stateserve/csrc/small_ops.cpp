@@ -151,8 +151,9 @@ torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tens
   return out;
 }
 
-// One output row of conv1d_prefill, a vector of channels at a time in a register (taps, bias and activation without a trip
-// through memory); returns how many channels it did (the caller does the rest). Exactly one of y_float / y_same.
+// One output row of conv1d_prefill, a vector of channels at a time in a register (taps, bias and activation without
+// a trip through memory); returns how many channels it did (the caller does the rest). Exactly one of y_float /
+// y_same.
 template <typename T>
 int64_t conv_row_simd(const T* const* rows, int64_t K, int64_t C, const float* wp, const float* bp, float* y_float,
                       T* y_same) {

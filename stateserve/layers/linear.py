@@ -22,8 +22,8 @@ logger = logging.getLogger("stateserve")
 
 # Up to how many rows the few-row kernel beats the alternative, by dtype (measured on the benchmark machine, Zen 5
 # with AVX-512, at the 30m and base shapes): ~16 rows against oneDNN on plain weights, ~2 against the panel kernel.
-# On an AVX2-only Zen 3 (float32 only; no panel kernel there) the kernel also led oneDNN up to 16 rows (1.0-2x at
-# 8-16 rows of the base shapes, 2-5x at 1-4 rows of the small ones).
+# On an AVX2-only Zen 3 (float32 only) the kernel also led oneDNN up to 16 rows (1.0-2x at 8-16 rows of the base
+# shapes, 2-5x at 1-4 rows of the small ones).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
 # With AVX2's 8-lane vectors (float32 only) the few-row kernel led the panel kernel up to 4 rows and trailed it from 8
@@ -31,13 +31,6 @@ MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
 # 89 / 121); both led oneDNN at every row count from 3 to 512 (the panel kernel by 1.03-2.4x).
 MAX_ROWS_PREPACKED_8_LANES = {torch.float32: 4}
 
-
-def max_rows_prepacked(dtype: torch.dtype) -> int:
-    """Up to how many rows a prepacked layer of `dtype` keeps using the few-row kernel, for this build's vectors."""
-    kernels = cpu_kernels.load()
-    if kernels is not None and kernels.simd_float32_lanes() == 8:
-        return MAX_ROWS_PREPACKED_8_LANES.get(dtype, 0)
-    return MAX_ROWS_PREPACKED[dtype]
 # Why the panel kernel and not oneDNN past two rows: Llama-base layer shapes, GFLOP/s on two cores (panel kernel /
 # oneDNN on its own blocked copy of the weight / oneDNN on the plain weight): bfloat16 8 rows 370 / 212 / 96,
 # 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
@@ -47,6 +40,14 @@ PANEL_COLUMNS = 48  # output columns per panel of csrc/packed_linear.cpp
 # PyTorch's own bfloat16 matmul there ran ~1 GFLOP/s. [3072, 768] weight, 2 cores, ms (bfloat16 / float32 with the
 # weight converted each call): 4 rows 0.95 / 1.05, 16 rows 3.75 / 1.36, 64 rows 14.9 / 2.6, 512 rows 120 / 18.
 UPCAST_MIN_ROWS = 8
+
+
+def max_rows_prepacked(dtype: torch.dtype) -> int:
+    """Up to how many rows a prepacked layer of `dtype` keeps using the few-row kernel, for this build's vectors."""
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.simd_float32_lanes() == 8:
+        return MAX_ROWS_PREPACKED_8_LANES.get(dtype, 0)
+    return MAX_ROWS_PREPACKED[dtype]
 
 
 def _onednn_linear(dtype: torch.dtype):
