@@ -24,7 +24,7 @@ def dense(q, k, v, scale):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("D", [16, 24, 64, 96, 128])  # 64, 128: AVX-512 with rows in registers; 16, 96: AVX-512
 # with a run-time width (bfloat16: 16 the float32-arithmetic path, 96 the vdpbf16ps one); 24: the portable path
-# (AVX2, float32: 64 and 128 with rows in registers, 16, 24 and 96 with a run-time width; bfloat16 the portable loop)
+# (AVX2, float32 and bfloat16: 64 and 128 with rows in registers, 16, 24 and 96 with a run-time width)
 @pytest.mark.parametrize("bs", [4, 16, 24])  # 24: a block holds a full group of 16 keys and a part one
 def test_decode_paths_match_dense(dtype, tol, heads, kv_heads, D, bs):
     g = torch.Generator().manual_seed(0)

@@ -4,11 +4,13 @@
 // whatever the number of rows, so a request's logits do not depend on what it is batched with.
 // Why it exists: PyTorch's CPU GEMV/small-M matmul on this class of machine streams weights at well under
 // half the memory bandwidth in float32, and bfloat16 GEMV is slower still; decoding is exactly that op.
-// On AVX2-only CPUs (float32 only, 8-lane vectors) the same holds: the linears of a Mamba-base decode step took
-// 19 ms here against 28 ms through oneDNN at one row, 20 vs 40 at four (2 Zen 3 cores, DRAM-resident weights);
-// oneDNN's call overhead alone was ~30 us on the one-row [80, 1536] and [1536, 48] products (kernel: 6-11 us).
+// On AVX2-only CPUs (8-lane vectors) the same holds: the linears of a Mamba-base decode step took 19 ms here against
+// 28 ms through oneDNN at one row, 20 vs 40 at four (2 Zen 3 cores, DRAM-resident float32 weights); oneDNN's call
+// overhead alone was ~30 us on the one-row [80, 1536] and [1536, 48] products (kernel: 6-11 us). There oneDNN has
+// no bfloat16 at all and PyTorch's bfloat16 GEMV streams ~20 GB/s; this kernel ~28 (a base model's weights, 1 row).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cstring>
 #include "simd.h"
 
 #if defined(__AVX512F__)
@@ -17,7 +19,7 @@
 #else
 #define SS_HAVE_AVX512 0
 #endif
-// AVX2 + FMA without AVX-512 (Zen 2/3, Intel client cores): float32 only, in 8-lane vectors.
+// AVX2 + FMA without AVX-512 (Zen 2/3, Intel client cores): 8-lane float32 vectors (bfloat16 widened to them).
 #if defined(STATESERVE_SIMD_AVX2)
 #define SS_HAVE_AVX2 1
 #else
@@ -120,6 +122,36 @@ struct F32Lanes8 {  // float32 on AVX2: 8 values of k per vector, FMA
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
   }
   static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static __m256 total(Acc acc) { return acc; }
+};
+
+// bfloat16 on AVX2 (no vdpbf16ps): 16 values of k per step, read as 8 32-bit words and widened exactly to float32
+// without shuffles: the even values by a 16-bit shift, the odd ones by masking off the low half. Each half goes
+// through FMA into its own accumulator (two chains per output, added at the end). The weights stream at half of
+// float32's bytes, which is what a decode step waits for. (Widening 8 values at a time with vpmovzxwd + shift
+// bound one row of x at ~30 GB/s of weights in L2 on a Zen 3 core pair, against float32's ~60.)
+struct Bf16Lanes8 {
+  using Scalar = uint16_t;
+  struct Vec {
+    __m256 even, odd;
+  };
+  using Acc = Vec;
+  static constexpr int kStep = 16;
+  static Acc zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Vec widen(__m256i words) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(words, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  static Vec load(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Vec load_first(const uint16_t* p, int64_t n) {  // the first n (< 16) values, the rest 0 (and not read)
+    alignas(32) uint16_t tmp[16] = {};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return widen(_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+  }
+  static Acc madd(Acc acc, Vec x, Vec w) {
+    return {_mm256_fmadd_ps(x.even, w.even, acc.even), _mm256_fmadd_ps(x.odd, w.odd, acc.odd)};
+  }
+  static __m256 total(Acc acc) { return _mm256_add_ps(acc.even, acc.odd); }
 };
 #endif
 
@@ -188,26 +220,38 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #endif
 
 #if SS_HAVE_AVX2
-// An MR x NR tile of float32 outputs on AVX2. Each row's NR sums come from one reduce8_ps over its accumulators
-// (the missing ones zero): a lane's sum involves only its own vector, so every output is added in the same order
-// whichever tile it falls in.
-template <int MR, int NR>
-inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-                     int64_t ldo, const float* bias, const float* pf) {
+// An MR x NR tile of outputs of type T on AVX2 (float32 sums). Each row's NR sums come from one reduce8_ps over its
+// accumulators (the missing ones zero): a lane's sum involves only its own vector, so every output is added in the
+// same order whichever tile it falls in.
+template <typename Ops, typename T, int MR, int NR>
+inline void tile8(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, T* out, int64_t ldo, const T* bias,
+                  const T* pf) {
   using namespace stateserve_simd;
+  using S = typename Ops::Scalar;
   static_assert(NR <= 8, "one reduce8_ps per row of the tile");
-  __m256 acc[MR][NR];
-  accumulate<F32Lanes8>(x, ldx, w, ldw, K, pf, acc);
-  const __m256 b = bias == nullptr ? _mm256_setzero_ps()
-                   : NR == 8       ? _mm256_loadu_ps(bias)
-                                   : F32Lanes8::load_first(bias, NR);
+  typename Ops::Acc acc[MR][NR];
+  accumulate<Ops>(reinterpret_cast<const S*>(x), ldx, reinterpret_cast<const S*>(w), ldw, K,
+                  reinterpret_cast<const S*>(pf), acc);
+  const __m256 b = bias == nullptr ? _mm256_setzero_ps() : NR == 8 ? load8(bias) : load8_first(bias, NR);
   for (int i = 0; i < MR; ++i) {
     __m256 v[8];
-    for (int j = 0; j < 8; ++j) v[j] = j < NR ? acc[i][j] : _mm256_setzero_ps();
-    const __m256 sums = _mm256_add_ps(reduce8_ps(v), b);
-    if constexpr (NR == 8) _mm256_storeu_ps(out + i * ldo, sums);
+    for (int j = 0; j < 8; ++j) v[j] = j < NR ? Ops::total(acc[i][j]) : _mm256_setzero_ps();
+    const __m256 sums = _mm256_add_ps(reduce8_ps(v), b);  // bfloat16: rounded once, after the bias
+    if constexpr (NR == 8) store8(out + i * ldo, sums);
     else store8_first(out + i * ldo, NR, sums);
   }
+}
+
+template <int MR, int NR>
+inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo,
+                     const float* bias, const float* pf) {
+  tile8<F32Lanes8, float, MR, NR>(x, ldx, w, ldw, K, out, ldo, bias, pf);
+}
+
+template <int MR, int NR>
+inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
+                      at::BFloat16* out, int64_t ldo, const at::BFloat16* bias, const at::BFloat16* pf) {
+  tile8<Bf16Lanes8, at::BFloat16, MR, NR>(x, ldx, w, ldw, K, out, ldo, bias, pf);
 }
 #endif
 
@@ -269,7 +313,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 #if SS_HAVE_AVX512 || SS_HAVE_AVX2
 SS_TILE_FN(tile_f32, float)
 #endif
-#if SS_HAVE_AVX512BF16
+#if SS_HAVE_AVX512BF16 || SS_HAVE_AVX2
 SS_TILE_FN(tile_bf16, at::BFloat16)
 #endif
 
@@ -317,7 +361,7 @@ int64_t simd_float32_lanes() {
 
 bool fast_linear_supported(c10::ScalarType dtype) {
   if (dtype == at::kFloat) return SS_HAVE_AVX512 || SS_HAVE_AVX2;
-  if (dtype == at::kBFloat16) return SS_HAVE_AVX512BF16;
+  if (dtype == at::kBFloat16) return SS_HAVE_AVX512BF16 || SS_HAVE_AVX2;
   return false;
 }
 
@@ -351,7 +395,7 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
     return out;
   }
 #endif
-#if SS_HAVE_AVX512BF16
+#if SS_HAVE_AVX512BF16 || SS_HAVE_AVX2
   if (x.scalar_type() == at::kBFloat16) {
     using bf = at::BFloat16;
     run_linear<bf>(x.data_ptr<bf>(), x.stride(0), weight.data_ptr<bf>(), K, M, N, out.data_ptr<bf>(),

@@ -9,12 +9,14 @@
 // (peak: 470 and 235). At one or two rows csrc/linear.cpp streams the natural layout faster.
 // Every output is the same chain of multiply-adds over k in order whatever the number of rows or the tile it falls
 // in, so a row's result does not depend on what it is batched with (from 3 rows up).
-// AVX2 (float32 only): the same layout, tiles of up to 6 rows by 16 columns, each panel in three such passes;
-// 120-170 GFLOP/s at 8-512 rows on 2 Zen 3 cores against oneDNN's 55-160 (its ~190 peak), and at 4 rows or fewer the
-// few-row kernel is faster there (linear.py's max_rows_prepacked).
+// AVX2: the same layout, tiles of up to 6 rows by 16 columns, each panel in three such passes; float32 120-170
+// GFLOP/s at 8-512 rows on 2 Zen 3 cores against oneDNN's 55-160 (its ~190 peak), bfloat16 (widened to float32 in
+// registers; no oneDNN bfloat16 there) 140-185 on [3072, 768] (half the bytes of W through the caches). At a few
+// rows the few-row kernel is faster there (linear.py's max_rows_prepacked).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#include <type_traits>
 #include "simd.h"
 
 namespace {
@@ -31,6 +33,7 @@ constexpr int64_t kRowBlock = 256;  // rows of x per pass over W
 #if defined(__AVX512F__)
 struct F32Words {  // one k per 32-bit word
   using T = float;
+  using X = T;  // x's type as the tiles read it
   static constexpr int64_t kStep = 1;
   static __m512 madd(__m512 acc, __m512i w, __m512i x) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(w), _mm512_castsi512_ps(x), acc);
@@ -40,6 +43,7 @@ struct F32Words {  // one k per 32-bit word
 #if defined(__AVX512BF16__)
 struct Bf16Words {  // two consecutive k per 32-bit word; vdpbf16ps adds both products to the float32 lane
   using T = at::BFloat16;
+  using X = T;
   static constexpr int64_t kStep = 2;
   static __m512 madd(__m512 acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 };
@@ -94,7 +98,16 @@ void tile_any(int mr, int nv, const typename L::T* x, int64_t ldx, const int32_t
 #if defined(STATESERVE_SIMD_AVX2)
 struct F32Words8 {  // float32 on AVX2: one k per 32-bit word, 8 columns per vector
   using T = float;
+  using X = T;
   static constexpr int64_t kStep = 1;
+};
+// bfloat16 on AVX2 (no vdpbf16ps): two consecutive k per word, split into two float32 vectors (the low halves
+// shifted up, the high halves masked) and multiplied with FMA by x, which packed_linear widens to float32 first
+// (a broadcast from float32 memory costs no shuffle; widening x is M * K work against the product's M * K * N).
+struct Bf16Words8 {
+  using T = at::BFloat16;
+  using X = float;
+  static constexpr int64_t kStep = 2;
 };
 
 // c[r][0 .. 8 NV) = sum over k of x row r's value times the panel's columns (r < MR), for 8 NV of the panel's
@@ -117,22 +130,51 @@ void tile8(const float* x, int64_t ldx, const int32_t* panel, int64_t steps, flo
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * kPanel + 8 * v, acc[r][v]);
 }
 
-template <int MR>
+// tile8's bfloat16 counterpart: x in float32, k-step s of the panel holds k = 2s (low half of each word) and 2s + 1
+// (high half). Each output adds k = 2s's product, then 2s + 1's: one chain over k in order, as in tile8. Per half
+// step 12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers.
+template <int MR, int NV>
+void tile8_bf16(const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
+  __m256 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t s = 0; s < steps; ++s) {
+    const __m256i* w = reinterpret_cast<const __m256i*>(panel + s * kPanel);
+    __m256 wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + v), 16));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + 2 * s);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
+    }
+    for (int v = 0; v < NV; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + v), high));
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + 2 * s + 1);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * kPanel + 8 * v, acc[r][v]);
+}
+
+template <typename L, int MR>
 void tile8_groups(int nv, const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
-  for (int g = 0; g < nv; ++g)  // nv groups of 16 columns (the panel's columns past N are zero)
-    tile8<MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
+  for (int g = 0; g < nv; ++g) {  // nv groups of 16 columns (the panel's columns past N are zero)
+    if constexpr (std::is_same_v<L, Bf16Words8>) tile8_bf16<MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
+    else tile8<MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
+  }
 }
 
 // The AVX-512 tile_any's counterpart: nv counts 16-column groups as there.
 template <typename L>
 void tile_any(int mr, int nv, const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
   switch (mr) {
-    case 6: return tile8_groups<6>(nv, x, ldx, panel, steps, c);
-    case 5: return tile8_groups<5>(nv, x, ldx, panel, steps, c);
-    case 4: return tile8_groups<4>(nv, x, ldx, panel, steps, c);
-    case 3: return tile8_groups<3>(nv, x, ldx, panel, steps, c);
-    case 2: return tile8_groups<2>(nv, x, ldx, panel, steps, c);
-    default: return tile8_groups<1>(nv, x, ldx, panel, steps, c);
+    case 6: return tile8_groups<L, 6>(nv, x, ldx, panel, steps, c);
+    case 5: return tile8_groups<L, 5>(nv, x, ldx, panel, steps, c);
+    case 4: return tile8_groups<L, 4>(nv, x, ldx, panel, steps, c);
+    case 3: return tile8_groups<L, 3>(nv, x, ldx, panel, steps, c);
+    case 2: return tile8_groups<L, 2>(nv, x, ldx, panel, steps, c);
+    default: return tile8_groups<L, 1>(nv, x, ldx, panel, steps, c);
   }
 }
 #endif
@@ -158,7 +200,7 @@ void store_tile(const float* c, int mr, int64_t cols, const T* bias, T* out, int
 }
 
 template <typename L>
-void run_packed(const typename L::T* x, int64_t ldx, int64_t M, int64_t K, const int32_t* packed, int64_t N,
+void run_packed(const typename L::X* x, int64_t ldx, int64_t M, int64_t K, const int32_t* packed, int64_t N,
                 const typename L::T* bias, typename L::T* out) {
   const int64_t steps = K / L::kStep, panels = (N + kPanel - 1) / kPanel;
   const int64_t threads = at::get_num_threads();
@@ -172,7 +214,7 @@ void run_packed(const typename L::T* x, int64_t ldx, int64_t M, int64_t K, const
     const int64_t tiles = (rows + kMaxMR - 1) / kMaxMR;
     const int64_t chunks = std::max<int64_t>(1, std::min(tiles, (4 * threads + panels - 1) / panels));
     const int64_t chunk_rows = (tiles + chunks - 1) / chunks * kMaxMR;
-    const typename L::T* xb = x + row0 * ldx;
+    const typename L::X* xb = x + row0 * ldx;
     typename L::T* ob = out + row0 * N;
     at::parallel_for(0, panels * chunks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) float c[kMaxMR * kPanel];
@@ -196,7 +238,7 @@ int64_t step_of(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; 
 }  // namespace
 
 bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(STATESERVE_SIMD_AVX2)
   if (dtype == at::kBFloat16) return in_features % 2 == 0;
 #endif
 #if defined(STATESERVE_SIMD_F32VEC)
@@ -254,6 +296,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     using bf = at::BFloat16;
     run_packed<Bf16Words>(x.data_ptr<bf>(), x.stride(0), M, K, packed.data_ptr<int32_t>(), N,
                           b.defined() ? b.data_ptr<bf>() : nullptr, out.data_ptr<bf>());
+    return out;
+  }
+#endif
+#if defined(STATESERVE_SIMD_AVX2)
+  if (x.scalar_type() == at::kBFloat16) {
+    using bf = at::BFloat16;
+    const torch::Tensor xf = x.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);  // [M, K]
+    run_packed<Bf16Words8>(xf.data_ptr<float>(), K, M, K, packed.data_ptr<int32_t>(), N,
+                           b.defined() ? b.data_ptr<bf>() : nullptr, out.data_ptr<bf>());
     return out;
   }
 #endif

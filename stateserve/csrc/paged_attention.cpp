@@ -244,9 +244,9 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
   const int64_t group = num_heads / num_kv_heads;
 #if defined(__AVX512F__)
   const bool vector_task = head_dim % 16 == 0;
-#else  // the AVX2 float32 task, in builds that have it (no-SIMD builds: the portable loop below)
-  const bool vector_task = std::is_same_v<scalar_t, float> && head_dim % 8 == 0 &&
-                           stateserve_attention::decode_task_f32x8_supported();
+#else  // the AVX2 task, in builds that have it (float16 and no-SIMD builds: the portable loop below)
+  constexpr bool kHasTask = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>;
+  const bool vector_task = kHasTask && head_dim % 8 == 0 && stateserve_attention::decode_task_x8_supported();
 #endif
   if (vector_task && head_dim <= 256 && num_heads <= 256) {
     // A task is a sequence's kv heads, split only when there are too few sequences to keep every thread busy.
@@ -271,9 +271,8 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 #if defined(__AVX512F__)
         decode_task_dispatch(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf, acc);
 #else
-        if constexpr (std::is_same_v<scalar_t, float>)
-          stateserve_attention::decode_task_f32x8(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf,
-                                                  acc);
+        if constexpr (kHasTask)
+          stateserve_attention::decode_task_x8(q + first, k_cache, v_cache, tv, out + first, scale, scores, qf, acc);
 #endif
       }
     });

@@ -22,23 +22,27 @@ logger = logging.getLogger("stateserve")
 
 # Up to how many rows the few-row kernel beats the alternative, by dtype (measured on the benchmark machine, Zen 5
 # with AVX-512, at the 30m and base shapes): ~16 rows against oneDNN on plain weights, ~2 against the panel kernel.
-# On an AVX2-only Zen 3 (float32 only) the kernel also led oneDNN up to 16 rows (1.0-2x at 8-16 rows of the base
+# On an AVX2-only Zen 3 (float32) the kernel also led oneDNN up to 16 rows (1.0-2x at 8-16 rows of the base
 # shapes, 2-5x at 1-4 rows of the small ones).
 MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 MAX_ROWS_PREPACKED = {torch.float32: 2, torch.bfloat16: 2}
-# With AVX2's 8-lane vectors (float32 only) the few-row kernel led the panel kernel up to 4 rows and trailed it from 8
-# (2 Zen 3 cores, GFLOP/s few-row / panel: [3072, 768] 4 rows 98 / 82, 8 rows 105 / 122; [768, 1536] 88 / 77 and
-# 89 / 121); both led oneDNN at every row count from 3 to 512 (the panel kernel by 1.03-2.4x).
-MAX_ROWS_PREPACKED_8_LANES = {torch.float32: 4}
+# With AVX2's 8-lane vectors the few-row kernel led the panel kernel up to 4 rows and trailed it from 8 (2 Zen 3
+# cores, float32 GFLOP/s few-row / panel: [3072, 768] 4 rows 98 / 82, 8 rows 105 / 122; [768, 1536] 88 / 77 and
+# 89 / 121); both led oneDNN at every row count from 3 to 512 (the panel kernel by 1.03-2.4x). In bfloat16 (half the
+# bytes to stream, widened in registers) the few-row kernel led up to 8 rows, over a base model's 24 weights read from
+# memory (ms, few-row / panel: 1 row 4.0 / 5.6, 4 rows 5.9 / 7.4, 6 rows 7.4 / 8.2, 8 rows 9.2 / 10.0); there is no
+# oneDNN bfloat16 there.
+MAX_ROWS_PREPACKED_8_LANES = {torch.float32: 4, torch.bfloat16: 8}
 
 # Why the panel kernel and not oneDNN past two rows: Llama-base layer shapes, GFLOP/s on two cores (panel kernel /
 # oneDNN on its own blocked copy of the weight / oneDNN on the plain weight): bfloat16 8 rows 370 / 212 / 96,
 # 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
 # 37 rows 213 / 188 / 141, 2048 rows 207 / 204 / 199. One extra copy of the weights serves every batch size.
 PANEL_COLUMNS = 48  # output columns per panel of csrc/packed_linear.cpp
-# A bfloat16 layer with neither kernel nor oneDNN (an AVX2-only CPU) computes from this many rows on in float32:
-# PyTorch's own bfloat16 matmul there ran ~1 GFLOP/s. [3072, 768] weight, 2 cores, ms (bfloat16 / float32 with the
-# weight converted each call): 4 rows 0.95 / 1.05, 16 rows 3.75 / 1.36, 64 rows 14.9 / 2.6, 512 rows 120 / 18.
+# A bfloat16 layer with neither kernel nor oneDNN (a CPU without AVX2, or kernels that did not build, where oneDNN
+# has no bfloat16 either) computes from this many rows on in float32: PyTorch's own bfloat16 matmul ran ~1 GFLOP/s on
+# an AVX2-only Zen 3. [3072, 768] weight, 2 cores, ms (bfloat16 / float32 with the weight converted each call): 4 rows
+# 0.95 / 1.05, 16 rows 3.75 / 1.36, 64 rows 14.9 / 2.6, 512 rows 120 / 18.
 UPCAST_MIN_ROWS = 8
 
 
@@ -152,7 +156,7 @@ def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.devi
     if not max_rows and onednn is None:
         if dtype != torch.bfloat16:
             return 0
-        upcast = True  # e.g. an AVX2-only CPU: PyTorch's own bfloat16 matmul crawls there (~1 GFLOP/s)
+        upcast = True  # no AVX-512 and no kernels: PyTorch's own bfloat16 matmul crawls there (~1 GFLOP/s)
         logger.warning("this CPU (%s) has no fast bfloat16 matmul: bfloat16 linears of %d rows or more compute in "
                        "float32 (converting the weight each call), fewer rows in bfloat16; dtype='float32' is "
                        "faster here", torch.backends.cpu.get_cpu_capability(), UPCAST_MIN_ROWS)
