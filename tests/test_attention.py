@@ -165,10 +165,21 @@ def test_prefill_kernel_matches_dense(dtype, tol, heads, kv_heads, D, bs, ctx, q
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("D", [16, 64])  # 16: PyTorch's flash kernel (merged by log-sum-exp); 64: the C++ kernel
-def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads, D):
+@pytest.mark.parametrize("key_limit", [None, 12])  # 12: below the sequence's 15 keys, for 8-lane builds' kernel
+def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads, D, key_limit, monkeypatch):
     """A later chunk of a prompt (context already in the paged cache): the CPU path merges flash attention over
-    the context and over the chunk by log-sum-exp; it must equal one causal attention over the whole prompt."""
+    the context and over the chunk by log-sum-exp; it must equal one causal attention over the whole prompt.
+    With AVX2 the C++ kernel takes sequences of up to PREFILL_KERNEL_MAX_KEYS_8_LANES keys, longer ones the flash
+    path."""
+    from stateserve.layers import attention as attention_module
     from stateserve.layers.metadata import AttnMetadata
+
+    flash_calls = []
+    flash = Attention._prefill_with_context_cpu
+    monkeypatch.setattr(Attention, "_prefill_with_context_cpu",
+                        lambda self, *args: flash_calls.append(1) or flash(self, *args))
+    if key_limit is not None:
+        monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MAX_KEYS_8_LANES", key_limit)
 
     g = torch.Generator().manual_seed(3)
     bs, ctx, qlen = 4, 9, 6  # the context ends inside a block
@@ -191,6 +202,10 @@ def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_
                                          v.float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
                                          scale=D ** -0.5).transpose(0, 1)[ctx:]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    kernels = cpu_kernels.load()
+    kernel_takes_it = kernels is not None and kernels.prefill_attention_supported(dtype, D) and not (
+        key_limit is not None and kernels.simd_float32_lanes() == 8)
+    assert flash_calls == ([] if kernel_takes_it else [1])
     # the context really is read: attending to the chunk alone gives something else
     alone = F.scaled_dot_product_attention(q[ctx:].float().transpose(0, 1),
                                            k[ctx:].float().repeat_interleave(rep, 1).transpose(0, 1),

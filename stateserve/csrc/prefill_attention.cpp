@@ -8,6 +8,7 @@
 #include <cstring>
 #include <type_traits>
 #include <limits>
+#include "prefill_attention.h"
 #include "simd.h"
 
 #if defined(__AVX512F__)
@@ -180,8 +181,8 @@ void prefill_task(const scalar_t* q, int64_t q_row_stride, const scalar_t* k_cac
 bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim) {
 #if defined(__AVX512F__)
   return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_dim == 64 || head_dim == 128);
-#else
-  return false;
+#else  // the AVX2 task where it is built
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && stateserve_attention::prefill_x8_supported(head_dim);
 #endif
 }
 
@@ -215,6 +216,15 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
           prefill_task<8>(qp, q.stride(0), kc, vc, tp, ctx, Lq, r0, h, H / KH, KH, bs, float(scale), op, H * D);
       }
     });
+  };
+  if (q.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
+#else
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    stateserve_attention::prefill_x8(q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
+                                     v_cache.data_ptr<scalar_t>(), table.data_ptr<int64_t>(), ctx, Lq, H, KH, D, bs,
+                                     static_cast<float>(scale), out.data_ptr<scalar_t>());
   };
   if (q.scalar_type() == at::kFloat) run(float{});
   else run(at::BFloat16{});

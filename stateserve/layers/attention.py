@@ -14,6 +14,12 @@ from stateserve.cache.spec import KVCacheSpec
 from stateserve.layers import cpu_kernels
 from stateserve.layers.metadata import AttnMetadata
 
+# With AVX2's 8-lane vectors the C++ prefill kernel is used up to this many keys (context + chunk) a sequence. 2 Zen 3
+# cores, 12 heads of 64, causal GFLOP/s kernel / PyTorch's flash: 512 rows 84 / 61 (bfloat16 98 / 53), 2048 rows
+# 95 / 108 (102 / 103), a 2048-row chunk after 2048 of context 102 / 121 (101 / 118); past that the flash kernel's
+# blocked products pull ahead. With AVX-512 the kernel has no such limit.
+PREFILL_KERNEL_MAX_KEYS_8_LANES = 4096
+
 
 class Attention(nn.Module):
     """softmax(q k^T * scale) v with GQA, causal or not. Holds no weights."""
@@ -122,22 +128,23 @@ class Attention(nn.Module):
         return out.to(qi.dtype)
 
     def _prefill_kernels(self, q: torch.Tensor):
-        """The C++ module when its causal prefill kernel covers this layer and q (CPU, cache bound, float32 or
-        bfloat16, head size 64 or 128), else None."""
+        """The C++ module and the most keys a sequence may have for it, when its causal prefill kernel covers this
+        layer and q (CPU, cache bound, float32 or bfloat16, head size 64 or 128), else (None, 0)."""
         if self.k_cache is None or not self.causal or q.device.type != "cpu" or q.dtype != self.k_cache.dtype:
-            return None
+            return None, 0
         kernels = cpu_kernels.load()
         if kernels is None or not kernels.prefill_attention_supported(q.dtype, self.head_dim):
-            return None
-        return kernels
+            return None, 0
+        eight_lanes = kernels.simd_float32_lanes() == 8
+        return kernels, PREFILL_KERNEL_MAX_KEYS_8_LANES if eight_lanes else float("inf")
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
                  out: torch.Tensor) -> torch.Tensor:
         bs = self.block_size if self.k_cache is not None else 0
-        kernels = self._prefill_kernels(q)
+        kernels, max_keys = self._prefill_kernels(q)
         for i in seqs:
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
-            if kernels is not None:  # keys and values of the chunk are in the cache already: read blocks in place
+            if kernels is not None and ctx + qlen <= max_keys:  # the chunk's keys are cached: read blocks in place
                 out[start:start + qlen] = kernels.paged_prefill_attention(
                     q[start:start + qlen], self.k_cache, self.v_cache, meta.block_tables[i, :-(-(ctx + qlen) // bs)],
                     ctx, self.scale)

@@ -1,0 +1,84 @@
+"""The linear kernels by row count: stateserve's few-row kernel (csrc/linear.cpp), its panel kernel
+(csrc/packed_linear.cpp) and PyTorch's F.linear, on every weight of a base-size model in turn (so the weights come
+from memory, as in decoding), in float32 and bfloat16. The row thresholds in stateserve/layers/linear.py
+(MAX_ROWS_PREPACKED*) come from this kind of table.
+
+    python bench/linears.py [--dtypes float32,bfloat16] [--rows 1,2,4,6,8,16] [--threads N] [--json FILE]
+
+Prints, per dtype and row count, ms for one pass over the weights and the GB/s of weights that makes. The weights
+are Llama-base's 12 layers of [3072, 768] and [768, 3072] (hidden 768, MLP 3072), random.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.machine_limits import DTYPES, best_time  # noqa: E402
+from stateserve.layers import cpu_kernels  # noqa: E402
+from stateserve.layers.linear import PANEL_COLUMNS  # noqa: E402
+
+SHAPES = [(3072, 768), (768, 3072)] * 12  # [out_features, in_features] of a base model's MLPs, layer by layer
+
+
+def packed(kernels, weight: torch.Tensor) -> torch.Tensor:
+    step = 2 if weight.dtype == torch.bfloat16 else 1
+    n, k = weight.shape
+    out = torch.zeros(-(-n // PANEL_COLUMNS), k // step, PANEL_COLUMNS, dtype=torch.int32)
+    kernels.pack_linear_weight_(out, weight)
+    return out
+
+
+def measure(dtype: torch.dtype, rows_list: list[int]) -> list[dict]:
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the C++ kernels did not build here: nothing to compare")
+    weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
+    panels = [packed(kernels, w) for w in weights] if kernels.packed_linear_supported(dtype, 768) else None
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    results = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in SHAPES}}
+        paths = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
+        if kernels.fast_linear_supported(dtype):
+            paths["few-row"] = lambda: [kernels.fast_linear(xs[w.shape[1]], w, None) for w in weights]
+        if panels is not None:
+            paths["panel"] = lambda: [kernels.packed_linear(xs[w.shape[1]], p, None, w.shape[0])
+                                      for w, p in zip(weights, panels)]
+        row = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+        for name, fn in paths.items():
+            seconds = best_time(fn, min_total_s=0.3, max_reps=10)
+            row[name] = {"ms": seconds * 1e3, "weight_GB_s": nbytes / seconds / 1e9}
+        results.append(row)
+        cells = "  ".join(f"{name} {row[name]['ms']:7.2f} ms ({row[name]['weight_GB_s']:5.1f} GB/s)"
+                          for name in paths)
+        print(f"{row['dtype']:>8} {rows:>4} rows  {cells}", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rows", default="1,2,4,6,8,16")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", help="also write the table here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        parser.error(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+    print(f"{torch.backends.cpu.get_cpu_capability()}, {args.threads} threads, {len(SHAPES)} weights "
+          f"(a pass reads each once)")
+    results = [r for d in args.dtypes.split(",") for r in measure(DTYPES[d], [int(x) for x in args.rows.split(",")])]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
