@@ -13,14 +13,9 @@ namespace stateserve_attention {
 #if defined(STATESERVE_SIMD_AVX2)
 namespace {
 using stateserve_simd::exp_ps;
+using stateserve_simd::first_lanes8;
 using stateserve_simd::load8;
 using stateserve_simd::reduce8_ps;
-
-// Lanes [0, n) of 8 set (n clamped to 8).
-inline __m256 first_lanes(int64_t n) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), lane));
-}
 
 // scores: [nh, stride], the first len of each row valid -> exp(score - row max) in place, lanes past len zero (the
 // stride leaves room for whole vectors); inv[i] = 1 / row i's sum.
@@ -30,13 +25,13 @@ void softmax_numerators8(float* scores, int64_t nh, int64_t stride, int64_t len,
     float* sg = scores + i * stride;
     __m256 mv = minus_inf;
     for (int64_t t0 = 0; t0 < len; t0 += 8)
-      mv = _mm256_max_ps(mv, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(sg + t0), first_lanes(len - t0)));
+      mv = _mm256_max_ps(mv, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(sg + t0), first_lanes8(len - t0)));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, mv);
     const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
-      const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), m)), first_lanes(len - t0));
+      const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), m)), first_lanes8(len - t0));
       _mm256_storeu_ps(sg + t0, e);
       sum = _mm256_add_ps(sum, e);
     }

@@ -18,6 +18,7 @@ namespace stateserve_attention {
 #if defined(STATESERVE_SIMD_AVX2)
 namespace {
 using stateserve_simd::exp_ps;
+using stateserve_simd::first_lanes8;
 using stateserve_simd::load8;
 
 constexpr int kRows = 32;      // query rows per task
@@ -25,13 +26,6 @@ constexpr int kKeys = 16;      // keys per step: two vectors of scores per row
 constexpr int kDotRows = 4;    // rows whose scores are accumulated together: 4 x 2 independent FMA chains
 constexpr int kPvRows = 2;     // rows of P.V accumulated together ...
 constexpr int kPvVectors = 4;  // ... over 32 of their output dimensions (8 accumulators)
-
-// Lanes [0, n) of 8 set (n clamped to [0, 8]).
-inline __m256 first_lanes(int64_t n) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int count = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
-}
 
 inline float max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -134,7 +128,7 @@ void task(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
         _mm256_store_ps(p[r] + 8, _mm256_setzero_ps());
         continue;
       }
-      const __m256 lanes0 = first_lanes(visible), lanes1 = first_lanes(visible - 8);
+      const __m256 lanes0 = first_lanes8(visible), lanes1 = first_lanes8(visible - 8);
       const __m256 s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
       const float step_max =
           max8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, s0, lanes0), _mm256_blendv_ps(minus_inf, s1, lanes1)));

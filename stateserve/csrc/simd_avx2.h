@@ -79,6 +79,13 @@ inline void store8_first(T* p, int64_t n, __m256 v) {
   for (int64_t j = 0; j < n; ++j) p[j] = static_cast<T>(tmp[j]);
 }
 
+// Lanes [0, n) of 8 set, the others clear (n clamped to [0, 8]): a blend or and-mask for a row's tail.
+inline __m256 first_lanes8(int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int count = static_cast<int>(n < 0 ? 0 : (n > 8 ? 8 : n));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane));
+}
+
 // F.softplus (beta 1, threshold 20), as the 16-lane softplus_ps.
 inline __m256 softplus_ps(__m256 x) {
   const __m256 abs_x = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
