@@ -1,8 +1,8 @@
 // Decode attention's task for CPUs with AVX2 + FMA and no AVX-512, for float32 and bfloat16 caches
 // (paged_attention.cpp runs it there; float16 caches keep the portable loop). bfloat16 keys and values are widened
-// exactly to float32 as they are loaded; every sum is in float32. Same passes as the AVX-512 task: scores of up to 16 keys of
-// a block at a time, each 8 of them reduced by one transpose-and-add, a masked softmax, then P.V; q and the
-// accumulators in 8-lane registers for the common head sizes 64 and 128.
+// exactly to float32 as they are loaded; every sum is in float32. Same passes as the AVX-512 task: scores of up to
+// 16 keys of a block at a time, each 8 of them reduced by one transpose-and-add, a masked softmax, then P.V; q and
+// the accumulators in 8-lane registers for the common head sizes 64 and 128.
 #include "paged_attention.h"
 #include <cmath>
 #include <limits>
