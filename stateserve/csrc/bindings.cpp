@@ -73,8 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)", nogil);
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype", nogil);
   m.def("simd_float32_lanes", &simd_float32_lanes, "float32 lanes of the build's widest vector (16, 8 or 0)", nogil);
-  m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512, or AVX2 in float32)",
-        nogil);
+  m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512 or AVX2)", nogil);
   m.def("pack_linear_weight_", &pack_linear_weight_, "W [N, K] into packed_linear's panels, in place", nogil);
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether packed_linear has a kernel for a dtype and in_features", nogil);

@@ -118,8 +118,7 @@ struct F32Lanes8 {  // float32 on AVX2: 8 values of k per vector, FMA
   static Acc zero() { return _mm256_setzero_ps(); }
   static Vec load(const float* p) { return _mm256_loadu_ps(p); }
   static Vec load_first(const float* p, int64_t n) {  // lanes below n, the rest 0 (and not read)
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+    return _mm256_maskload_ps(p, _mm256_castps_si256(stateserve_simd::first_lanes8(n)));
   }
   static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
   static __m256 total(Acc acc) { return acc; }

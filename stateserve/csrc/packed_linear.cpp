@@ -16,7 +16,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
-#include <type_traits>
 #include "simd.h"
 
 namespace {
@@ -100,57 +99,40 @@ struct F32Words8 {  // float32 on AVX2: one k per 32-bit word, 8 columns per vec
   using T = float;
   using X = T;
   static constexpr int64_t kStep = 1;
+  static __m256 value(__m256i words, int) { return _mm256_castsi256_ps(words); }
 };
-// bfloat16 on AVX2 (no vdpbf16ps): two consecutive k per word, split into two float32 vectors (the low halves
-// shifted up, the high halves masked) and multiplied with FMA by x, which packed_linear widens to float32 first
-// (a broadcast from float32 memory costs no shuffle; widening x is M * K work against the product's M * K * N).
+// bfloat16 on AVX2 (no vdpbf16ps): two consecutive k per word, split into two float32 vectors (k = 2s: the low
+// halves shifted up; 2s + 1: the high halves masked) and multiplied with FMA by x, which packed_linear widens to
+// float32 first (a broadcast from float32 memory costs no shuffle; widening x is M * K work against the product's
+// M * K * N).
 struct Bf16Words8 {
   using T = at::BFloat16;
   using X = float;
   static constexpr int64_t kStep = 2;
+  static __m256 value(__m256i words, int half) {
+    return _mm256_castsi256_ps(half == 0 ? _mm256_slli_epi32(words, 16)
+                                         : _mm256_and_si256(words, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
 };
 
 // c[r][0 .. 8 NV) = sum over k of x row r's value times the panel's columns (r < MR), for 8 NV of the panel's
-// columns: panel and c point at the first of them, rows of the panel still kPanel words apart.
-template <int MR, int NV>
+// columns: panel and c point at the first of them, rows of the panel still kPanel words apart. Each k-step's words
+// hold L::kStep values of k, taken in order (L::value): every output is one chain over k in order. Per value of k
+// 12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers.
+template <typename L, int MR, int NV>
 void tile8(const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
   __m256 acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
-    const float* w = reinterpret_cast<const float*>(panel + s * kPanel);
-    __m256 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(w + 8 * v);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + s);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + r * kPanel + 8 * v, acc[r][v]);
-}
-
-// tile8's bfloat16 counterpart: x in float32, k-step s of the panel holds k = 2s (low half of each word) and 2s + 1
-// (high half). Each output adds k = 2s's product, then 2s + 1's: one chain over k in order, as in tile8. Per half
-// step 12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers.
-template <int MR, int NV>
-void tile8_bf16(const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
-  __m256 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t s = 0; s < steps; ++s) {
     const __m256i* w = reinterpret_cast<const __m256i*>(panel + s * kPanel);
-    __m256 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w + v), 16));
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + 2 * s);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
-    }
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w + v), high));
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + 2 * s + 1);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
+    for (int half = 0; half < L::kStep; ++half) {
+      __m256 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = L::value(_mm256_loadu_si256(w + v), half);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + L::kStep * s + half);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(wv[v], xb, acc[r][v]);
+      }
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -159,10 +141,8 @@ void tile8_bf16(const float* x, int64_t ldx, const int32_t* panel, int64_t steps
 
 template <typename L, int MR>
 void tile8_groups(int nv, const float* x, int64_t ldx, const int32_t* panel, int64_t steps, float* c) {
-  for (int g = 0; g < nv; ++g) {  // nv groups of 16 columns (the panel's columns past N are zero)
-    if constexpr (std::is_same_v<L, Bf16Words8>) tile8_bf16<MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
-    else tile8<MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
-  }
+  for (int g = 0; g < nv; ++g)  // nv groups of 16 columns (the panel's columns past N are zero)
+    tile8<L, MR, 2>(x, ldx, panel + 16 * g, steps, c + 16 * g);
 }
 
 // The AVX-512 tile_any's counterpart: nv counts 16-column groups as there.

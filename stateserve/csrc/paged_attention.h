@@ -42,13 +42,11 @@ inline void prefetch_piece(const char* next, int64_t kv, const TaskView& tv) {
   for (int64_t x = 0; x < tv.piece_bytes; x += 64) _mm_prefetch(next + kv * tv.piece_bytes + x, _MM_HINT_T1);
 }
 
-// One task with AVX2 + FMA, float32 or bfloat16 (head_dim a multiple of 8, at most 256; at most 256 query heads).
-// Defined only in builds with AVX2 and without AVX-512 (decode_task_x8_supported()).
-void decode_task_x8(const float* q, const float* k_cache, const float* v_cache, const TaskView& tv, float* out,
-                    float scale, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc);
-void decode_task_x8(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                    const TaskView& tv, at::BFloat16* out, float scale, std::vector<float>& scores,
-                    std::vector<float>& qf, std::vector<float>& acc);
+// One task with AVX2 + FMA, T float or at::BFloat16 (head_dim a multiple of 8, at most 256; at most 256 query
+// heads). Runs only in builds with AVX2 and without AVX-512 (decode_task_x8_supported()).
+template <typename T>
+void decode_task_x8(const T* q, const T* k_cache, const T* v_cache, const TaskView& tv, T* out, float scale,
+                    std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc);
 bool decode_task_x8_supported();
 
 }  // namespace stateserve_attention

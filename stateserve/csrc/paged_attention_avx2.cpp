@@ -26,17 +26,16 @@ void softmax_numerators8(float* scores, int64_t nh, int64_t stride, int64_t len,
     __m256 mv = minus_inf;
     for (int64_t t0 = 0; t0 < len; t0 += 8)
       mv = _mm256_max_ps(mv, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(sg + t0), first_lanes8(len - t0)));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, mv);
-    const __m256 m = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+    const __m256 m = _mm256_set1_ps(stateserve_simd::hmax8(mv));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
       const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), m)), first_lanes8(len - t0));
       _mm256_storeu_ps(sg + t0, e);
       sum = _mm256_add_ps(sum, e);
     }
+    alignas(32) float lanes[8];
     _mm256_store_ps(lanes, sum);
-    float total = 0.f;
+    float total = 0.f;  // lane by lane
     for (const float x : lanes) total += x;
     inv[i] = 1.f / total;
   }
@@ -95,39 +94,32 @@ void task(const T* q, const T* k_cache, const T* v_cache, const TaskView& tv, T*
     for (int64_t d = 0; d < head_dim; ++d) out[i * head_dim + d] = static_cast<T>(acc[i * head_dim + d] * inv[i]);
 }
 
+}  // namespace
+
+bool decode_task_x8_supported() { return true; }
+
 template <typename T>
-void dispatch(const T* q, const T* k_cache, const T* v_cache, const TaskView& tv, T* out, float scale,
-              std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
+void decode_task_x8(const T* q, const T* k_cache, const T* v_cache, const TaskView& tv, T* out, float scale,
+                    std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
   switch (tv.head_dim / 8) {  // the common head sizes 64 and 128 get register-resident rows
     case 8: return task<T, 8>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
     case 16: return task<T, 16>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
     default: return task<T, 0>(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
   }
 }
-}  // namespace
-
-bool decode_task_x8_supported() { return true; }
-
-void decode_task_x8(const float* q, const float* k_cache, const float* v_cache, const TaskView& tv, float* out,
-                    float scale, std::vector<float>& scores, std::vector<float>& qf, std::vector<float>& acc) {
-  dispatch(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
-}
-void decode_task_x8(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                    const TaskView& tv, at::BFloat16* out, float scale, std::vector<float>& scores,
-                    std::vector<float>& qf, std::vector<float>& acc) {
-  dispatch(q, k_cache, v_cache, tv, out, scale, scores, qf, acc);
-}
 #else
 bool decode_task_x8_supported() { return false; }
 
-void decode_task_x8(const float*, const float*, const float*, const TaskView&, float*, float, std::vector<float>&,
+template <typename T>
+void decode_task_x8(const T*, const T*, const T*, const TaskView&, T*, float, std::vector<float>&,
                     std::vector<float>&, std::vector<float>&) {
   TORCH_CHECK(false, "decode_task_x8: not built (no AVX2, or AVX-512 present)");
 }
-void decode_task_x8(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const TaskView&, at::BFloat16*,
-                    float, std::vector<float>&, std::vector<float>&, std::vector<float>&) {
-  TORCH_CHECK(false, "decode_task_x8: not built (no AVX2, or AVX-512 present)");
-}
 #endif
+
+template void decode_task_x8(const float*, const float*, const float*, const TaskView&, float*, float,
+                             std::vector<float>&, std::vector<float>&, std::vector<float>&);
+template void decode_task_x8(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const TaskView&,
+                             at::BFloat16*, float, std::vector<float>&, std::vector<float>&, std::vector<float>&);
 
 }  // namespace stateserve_attention

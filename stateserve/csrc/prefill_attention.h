@@ -10,12 +10,10 @@ namespace stateserve_attention {
 bool prefill_x8_supported(int64_t head_dim);
 // Causal attention of num_rows query rows (q: [num_rows, num_heads, head_dim], rows q_row_stride apart) at positions
 // ctx.. over the paged caches [num_blocks, num_kv_heads, block_size, head_dim], whose blocks `table` lists; out:
-// [num_rows, num_heads, head_dim] contiguous.
-void prefill_x8(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
-                const int64_t* table, int64_t ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_dim, int64_t block_size, float scale, float* out);
-void prefill_x8(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16* k_cache,
-                const at::BFloat16* v_cache, const int64_t* table, int64_t ctx, int64_t num_rows, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, at::BFloat16* out);
+// [num_rows, num_heads, head_dim] contiguous. T: float or at::BFloat16.
+template <typename T>
+void prefill_x8(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                int64_t block_size, float scale, T* out);
 
 }  // namespace stateserve_attention

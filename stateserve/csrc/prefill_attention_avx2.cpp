@@ -19,6 +19,8 @@ namespace stateserve_attention {
 namespace {
 using stateserve_simd::exp_ps;
 using stateserve_simd::first_lanes8;
+using stateserve_simd::hmax8;
+using stateserve_simd::hsum8;
 using stateserve_simd::load8;
 
 constexpr int kRows = 32;      // query rows per task
@@ -26,37 +28,6 @@ constexpr int kKeys = 16;      // keys per step: two vectors of scores per row
 constexpr int kDotRows = 4;    // rows whose scores are accumulated together: 4 x 2 independent FMA chains
 constexpr int kPvRows = 2;     // rows of P.V accumulated together ...
 constexpr int kPvVectors = 4;  // ... over 32 of their output dimensions (8 accumulators)
-
-inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// r[i] lane j <- r[j] lane i.
-inline void transpose8x8(__m256 (&r)[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
 
 // One task: query head h, rows [r0, r0 + kRows) of the chunk (row r at position ctx + r sees keys 0..ctx + r).
 template <int D, typename T>
@@ -89,8 +60,11 @@ void task(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
       if (half * 8 >= n) break;  // keys past n are never read back (their scores are masked below)
       for (int c = 0; c < D; c += 8) {
         __m256 r8[8];
-        for (int j = 0; j < 8; ++j) r8[j] = half * 8 + j < n ? load8(kr + (half * 8 + j) * D + c) : _mm256_setzero_ps();
-        transpose8x8(r8);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t key = half * 8 + j;
+          r8[j] = key < n ? load8(kr + key * D + c) : _mm256_setzero_ps();
+        }
+        stateserve_simd::transpose8x8_ps(r8);
         for (int i = 0; i < 8; ++i) kt[half][c + i] = r8[i];
       }
     }
@@ -131,13 +105,13 @@ void task(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
       const __m256 lanes0 = first_lanes8(visible), lanes1 = first_lanes8(visible - 8);
       const __m256 s0 = _mm256_load_ps(p[r]), s1 = _mm256_load_ps(p[r] + 8);
       const float step_max =
-          max8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, s0, lanes0), _mm256_blendv_ps(minus_inf, s1, lanes1)));
+          hmax8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, s0, lanes0), _mm256_blendv_ps(minus_inf, s1, lanes1)));
       const float m_new = std::max(m[r], step_max);
       const __m256 mv = _mm256_set1_ps(m_new);
       const __m256 e0 = _mm256_and_ps(exp_ps(_mm256_sub_ps(s0, mv)), lanes0);
       const __m256 e1 = visible > 8 ? _mm256_and_ps(exp_ps(_mm256_sub_ps(s1, mv)), lanes1) : _mm256_setzero_ps();
       alpha[r] = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);  // 0 on the first step (m = -inf)
-      l[r] = l[r] * alpha[r] + sum8(_mm256_add_ps(e0, e1));
+      l[r] = l[r] * alpha[r] + hsum8(_mm256_add_ps(e0, e1));
       m[r] = m_new;
       _mm256_store_ps(p[r], e0);
       _mm256_store_ps(p[r] + 8, e1);
@@ -170,10 +144,14 @@ void task(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, 
   }
 }
 
+}  // namespace
+
+bool prefill_x8_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
 template <typename T>
-void run(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
-         int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-         T* out) {
+void prefill_x8(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                int64_t block_size, float scale, T* out) {
   const int64_t q_blocks = (num_rows + kRows - 1) / kRows, group = num_heads / num_kv_heads;
   const int64_t out_row_stride = num_heads * head_dim;
   at::parallel_for(0, num_heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -188,33 +166,19 @@ void run(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, c
     }
   });
 }
-}  // namespace
-
-bool prefill_x8_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
-
-void prefill_x8(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
-                const int64_t* table, int64_t ctx, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                int64_t head_dim, int64_t block_size, float scale, float* out) {
-  run(q, q_row_stride, k_cache, v_cache, table, ctx, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
-      out);
-}
-void prefill_x8(const at::BFloat16* q, int64_t q_row_stride, const at::BFloat16* k_cache,
-                const at::BFloat16* v_cache, const int64_t* table, int64_t ctx, int64_t num_rows, int64_t num_heads,
-                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, at::BFloat16* out) {
-  run(q, q_row_stride, k_cache, v_cache, table, ctx, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
-      out);
-}
 #else
 bool prefill_x8_supported(int64_t) { return false; }
 
-void prefill_x8(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                int64_t, int64_t, int64_t, float, float*) {
-  TORCH_CHECK(false, "prefill_x8: not built (no AVX2, or AVX-512 present)");
-}
-void prefill_x8(const at::BFloat16*, int64_t, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
-                int64_t, int64_t, int64_t, int64_t, int64_t, float, at::BFloat16*) {
+template <typename T>
+void prefill_x8(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                int64_t, float, T*) {
   TORCH_CHECK(false, "prefill_x8: not built (no AVX2, or AVX-512 present)");
 }
 #endif
+
+template void prefill_x8(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, float, float*);
+template void prefill_x8(const at::BFloat16*, int64_t, const at::BFloat16*, const at::BFloat16*, const int64_t*,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, at::BFloat16*);
 
 }  // namespace stateserve_attention
