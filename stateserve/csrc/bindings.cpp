@@ -20,10 +20,21 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
                              torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
                              c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
                              double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups);
+torch::Tensor mamba2_mixer_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state,
+                                   torch::Tensor slots, torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias,
+                                   torch::Tensor taps, c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias,
+                                   double dt_min, double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D,
+                                   int64_t n_groups, torch::Tensor norm_weight, int64_t norm_group_size,
+                                   double norm_eps, bool norm_before_gate, torch::Tensor out_weight,
+                                   c10::optional<torch::Tensor> out_bias);
 torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
                                       torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A,
                                       torch::Tensor B, torch::Tensor C, torch::Tensor Dskip, torch::Tensor z);
-
+torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
+                             torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias, torch::Tensor taps,
+                             c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
+                             torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
+                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias);
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -57,7 +68,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("mamba2_decode_", &mamba2_decode_, "Mamba2 decode after in_proj: conv, step sizes, state update; returns y",
         nogil);
+  m.def("mamba2_mixer_decode_", &mamba2_mixer_decode_,
+        "Mamba2 mixer decode with its gated norm, in_proj to out_proj, few-row kernels; states updated in place", nogil);
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: step sizes and state update in place, returns (C.h + u*D) * silu(z)", nogil);
+  m.def("mamba1_decode_", &mamba1_decode_,
+        "Mamba1 mixer decode, in_proj to out_proj, few-row kernels; conv and ssm states updated in place", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstring>
 #include <type_traits>
+#include "conv_update.h"
 #include "simd.h"
 
 namespace {
@@ -13,13 +14,40 @@ namespace {
 using stateserve_simd::round_to;
 using stateserve_simd::rows_grain;
 using stateserve_simd::silu_rounded;
+
+// Where the conv's outputs go, as `kind` says (conv_update.h).
+template <typename T>
+struct ConvOut {
+  ConvOutput kind;
+  T* y;          // kConv, kSilu
+  float* y_f32;  // kSiluFloat32
+  ConvOut at(int64_t offset) const { return {kind, y ? y + offset : nullptr, y_f32 ? y_f32 + offset : nullptr}; }
+  void put(int64_t i, float v) const {
+    if (kind == ConvOutput::kConv) y[i] = static_cast<T>(v);
+    else if (kind == ConvOutput::kSilu) y[i] = static_cast<T>(silu_rounded<T>(v));
+    else y_f32[i] = silu_rounded<T>(v);
+  }
+#if defined(__AVX512F__)
+  void put16(__m512 v) const {
+    using namespace stateserve_simd;
+    if (kind == ConvOutput::kSiluFloat32) _mm512_storeu_ps(y_f32, silu_rounded_ps<T>(v));
+    else store16(y, kind == ConvOutput::kSilu ? silu_rounded_ps<T>(v) : v);
+  }
+#elif defined(STATESERVE_SIMD_AVX2)
+  void put8(int64_t h, __m256 v) const {
+    using namespace stateserve_simd;
+    if (kind == ConvOutput::kSiluFloat32) _mm256_storeu_ps(y_f32 + h, silu_rounded_ps<T>(v));
+    else store8(y + h, kind == ConvOutput::kSilu ? silu_rounded_ps<T>(v) : v);
+  }
+#endif
+};
+
 #if defined(__AVX512F__)
 // The conv output of 16 channels from their W + 1 inputs, one float32 vector per tap (tap[W]: the new input):
-// products and sums rounded as the scalar path rounds them; bias: 16 float32 values or nullptr; the output goes to
-// y (T) or, with its SiLU, to y_silu (float32).
+// products and sums rounded as the scalar path rounds them; bias: 16 float32 values or nullptr.
 template <typename T>
 inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int64_t ldw, const float* bias,
-                             bool float_accumulate, T* y, float* y_silu) {
+                             bool float_accumulate, const ConvOut<T>& y) {
   using namespace stateserve_simd;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k <= W; ++k) {
@@ -28,10 +56,7 @@ inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int6
   }
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-  if (y_silu != nullptr)
-    _mm512_storeu_ps(y_silu, silu_rounded_ps<T>(out));
-  else
-    store16(y, out);
+  y.put16(out);
 }
 #endif
 
@@ -40,7 +65,7 @@ inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int6
 // runs the scalar loop).
 template <typename T>
 bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, int64_t ldw, int64_t W,
-                      bool float_accumulate, T* y, float* y_silu) {
+                      bool float_accumulate, const ConvOut<T>& y) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     constexpr int64_t kMaxW = 8;
@@ -51,7 +76,7 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
     __m512 tap[kMaxW + 1];
     for (int64_t k = 0; k < W; ++k) tap[k] = _mm512_load_ps(win[k]);
     tap[W] = stateserve_simd::load16(x);
-    conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y, y_silu);
+    conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y);
     return true;
   }
 #elif defined(STATESERVE_SIMD_AVX2)
@@ -71,10 +96,7 @@ bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* b
       }
       const __m256 b = bias ? _mm256_loadu_ps(bias + h) : _mm256_setzero_ps();
       const __m256 out = _mm256_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-      if (y_silu != nullptr)
-        _mm256_storeu_ps(y_silu + h, silu_rounded_ps<T>(out));
-      else
-        store8(y + h, out);
+      y.put8(h, out);
     }
     return true;
   }
@@ -117,7 +139,8 @@ inline __mmask32 first_words(int64_t n) {
 
 // The conv of 16 channels and their window shift, as conv_update_simd plus the caller's shift compute them.
 bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, const float* wt, const float* bias,
-                                   int64_t ldw, int64_t W, bool float_accumulate, at::BFloat16* y, float* y_silu) {
+                                   int64_t ldw, int64_t W, bool float_accumulate,
+                                   const ConvOut<at::BFloat16>& y) {
   if (W < 1 || W > 4) return false;
   auto* words = reinterpret_cast<uint16_t*>(rows);
   const int64_t n = 16 * W;
@@ -134,7 +157,7 @@ bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, co
   raw[W] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // the new input is the last tap
   __m512 tap[5];
   for (int64_t k = 0; k <= W; ++k) tap[k] = stateserve_simd::widen_bf16(raw[k]);
-  conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y, y_silu);
+  conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y);
   // shifted windows: inputs 1..W (raw[W] is the new one), back to channel-major
   const __m512i next01 = _mm512_inserti64x4(_mm512_castsi256_si512(raw[1]), raw[2], 1);
   const __m512i next23 = _mm512_inserti64x4(_mm512_castsi256_si512(raw[3]), raw[4], 1);
@@ -148,15 +171,60 @@ bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, co
 
 }  // namespace
 
+namespace {
+
+template <typename T>
+void conv_update_rows(T* st, const int64_t* sl, const T* xp, const float* wtp, const float* bias_p, int64_t S,
+                      int64_t C, int64_t W, bool float_accumulate, const ConvOut<T>& out) {
+  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector (two AVX2 ones)
+  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
+  at::parallel_for(0, S * num_blocks, rows_grain(kBlock * (W + 1), 8), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
+      const int64_t n = std::min(kBlock, C - c0);
+      T* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
+      const T* xs = xp + s * C + c0;
+      const ConvOut<T> y = out.at(s * C + c0);
+      const float* bias_c = bias_p ? bias_p + c0 : nullptr;
+#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (n == kBlock && conv_update_bf16_small_window(rows, xs, wtp + c0, bias_c, C, W, float_accumulate, y))
+          continue;  // conv and shift done
+      }
+#endif
+      if (n != kBlock || !conv_update_simd<T>(rows, xs, wtp + c0, bias_c, C, W, float_accumulate, y)) {
+        for (int64_t j = 0; j < n; ++j) {
+          const T* row = rows + j * W;
+          float acc = 0.f;
+          for (int64_t k = 0; k <= W; ++k) {
+            const float v = static_cast<float>(k < W ? row[k] : xs[j]);
+            const float prod = v * wtp[k * C + c0 + j];
+            acc += float_accumulate ? prod : round_to<T>(prod);
+          }
+          const float bias_v = bias_c ? bias_c[j] : 0.f;
+          y.put(j, float_accumulate ? acc + bias_v : round_to<T>(acc) + bias_v);
+        }
+      }
+      if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
+        // one move of the whole run, then each window's last element (which got the next window's first) is set
+        std::memmove(rows, rows + 1, (n * W - 1) * sizeof(T));
+        for (int64_t j = 0; j < n; ++j) rows[j * W + W - 1] = xs[j];
+      }
+    }
+  });
+}
+
+}  // namespace
+
 // Depthwise causal conv over the last K inputs of each sequence, shifting the conv state in place.
 // conv_state: [num_slots, C, K-1]; x: [S, C], conv_state's dtype; taps: the conv weight as float32 [K, C] (transposed,
 // so 16 channels' taps are one vector load; the caller caches it per weight version); bias: [C] float32 holding
 // values of x's dtype, or empty.
 // float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
 // expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
-// silu_float32: return silu(y) (rounded to x's dtype, as F.silu on y would) as float32, for the state update.
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
+// output: what is returned, y ([S, C] in x's dtype), its SiLU in x's dtype, or that SiLU as float32.
+torch::Tensor conv1d_update(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                            c10::optional<torch::Tensor> bias, bool float_accumulate, ConvOutput output) {
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type(),
               "conv1d_update_: conv_state and x must share a dtype (conv_state contiguous)");
   TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.dim() == 2 && taps.is_contiguous(),
@@ -165,66 +233,26 @@ torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torc
   auto slot_ids = slots.scalar_type() == at::kLong ? slots.contiguous() : slots.to(at::kLong).contiguous();
   const int64_t S = x.size(0), C = x.size(1), K = taps.size(0), W = conv_state.size(2);
   TORCH_CHECK(W == K - 1 && conv_state.size(1) == C && taps.size(1) == C, "conv1d_update_: shapes do not agree");
+  TORCH_CHECK(slot_ids.numel() == S, "conv1d_update_: ", slot_ids.numel(), " slots for ", S, " rows");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == C && bias->is_contiguous(),
                 "conv1d_update_: bias must be contiguous float32 [C]");
-  auto y = silu_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
-  const float* wtp = taps.data_ptr<float>();
-  const float* bias_p = has_bias ? bias->data_ptr<float>() : nullptr;
-  constexpr int64_t kBlock = 16;  // channels per task: one AVX-512 vector (two AVX2 ones)
-  const int64_t num_blocks = (C + kBlock - 1) / kBlock;
+  const bool to_float32 = output == ConvOutput::kSiluFloat32;
+  auto y = to_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
-    scalar_t* st = conv_state.data_ptr<scalar_t>();
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const int64_t* sl = slot_ids.data_ptr<int64_t>();
-    scalar_t* yp = silu_float32 ? nullptr : y.data_ptr<scalar_t>();
-    float* yfp = silu_float32 ? y.data_ptr<float>() : nullptr;
-    at::parallel_for(0, S * num_blocks, rows_grain(kBlock * K, 8), [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t s = task / num_blocks, c0 = (task % num_blocks) * kBlock;
-        const int64_t n = std::min(kBlock, C - c0);
-        scalar_t* rows = st + (sl[s] * C + c0) * W;  // n consecutive channels' windows, W each
-        const scalar_t* xs = xp + s * C + c0;
-#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // (the casts only make other dtypes compile)
-          using bf = at::BFloat16;
-          if (n == kBlock &&
-              conv_update_bf16_small_window(reinterpret_cast<bf*>(rows), reinterpret_cast<const bf*>(xs), wtp + c0,
-                                            has_bias ? bias_p + c0 : nullptr, C, W, float_accumulate,
-                                            yp ? reinterpret_cast<bf*>(yp) + s * C + c0 : nullptr,
-                                            yfp ? yfp + s * C + c0 : nullptr))
-            continue;  // conv and shift done
-        }
-#endif
-        if (n != kBlock ||
-            !conv_update_simd<scalar_t>(rows, xs, wtp + c0, has_bias ? bias_p + c0 : nullptr, C, W, float_accumulate,
-                                        yp ? yp + s * C + c0 : nullptr, yfp ? yfp + s * C + c0 : nullptr)) {
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* row = rows + j * W;
-            float acc = 0.f;
-            for (int64_t k = 0; k <= W; ++k) {
-              const float v = static_cast<float>(k < W ? row[k] : xs[j]);
-              const float prod = v * wtp[k * C + c0 + j];
-              acc += float_accumulate ? prod : round_to<scalar_t>(prod);
-            }
-            const float bias_v = has_bias ? bias_p[c0 + j] : 0.f;
-            const float out = float_accumulate ? acc + bias_v : round_to<scalar_t>(acc) + bias_v;
-            if (yfp != nullptr) {
-              yfp[s * C + c0 + j] = silu_rounded<scalar_t>(out);
-            } else {
-              yp[s * C + c0 + j] = static_cast<scalar_t>(out);
-            }
-          }
-        }
-        if (W > 0) {  // shift each window left by one and append the new input: the n windows are contiguous, so
-          // one move of the whole run, then each window's last element (which got the next window's first) is set
-          std::memmove(rows, rows + 1, (n * W - 1) * sizeof(scalar_t));
-          for (int64_t j = 0; j < n; ++j) rows[j * W + W - 1] = xs[j];
-        }
-      }
-    });
+    const ConvOut<scalar_t> out{output, to_float32 ? nullptr : y.data_ptr<scalar_t>(),
+                                to_float32 ? y.data_ptr<float>() : nullptr};
+    conv_update_rows<scalar_t>(conv_state.data_ptr<scalar_t>(), slot_ids.data_ptr<int64_t>(), x.data_ptr<scalar_t>(),
+                               taps.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, S, C, W,
+                               float_accumulate, out);
   });
   return y;
 }
 
+// The binding: y, or with silu_float32 its SiLU (rounded to x's dtype, as F.silu on y would) as float32.
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
+  return conv1d_update(conv_state, slots, x, taps, bias, float_accumulate,
+                       silu_float32 ? ConvOutput::kSiluFloat32 : ConvOutput::kConv);
+}

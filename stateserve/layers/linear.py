@@ -130,6 +130,15 @@ class FastLinear(nn.Linear):
         return out if two_d else out.view(*x.shape[:-1], self.out_features)
 
 
+def few_row_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The layer's weight when its product with the rows of x ([rows, in_features]) takes the few-row kernel
+    (FastLinear.product's first route), else None. For fused kernels that call that kernel themselves."""
+    if not isinstance(layer, FastLinear) or x.dim() != 2 or not 0 < x.shape[0] <= layer.max_rows:
+        return None
+    weight = layer.weight
+    return weight if weight.dtype == x.dtype and not torch.is_grad_enabled() else None
+
+
 def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x @ layer.weight.T, leaving the layer's bias out (Mamba1 adds dt_proj's bias later, before the softplus),
     through FastLinear's kernels when the layer is one: PyTorch's bfloat16 path takes ~16 us for a one-row

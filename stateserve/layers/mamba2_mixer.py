@@ -32,6 +32,7 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
+from stateserve.layers.linear import few_row_weight
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
@@ -181,6 +182,10 @@ class Mamba2Mixer(StatefulLayer):
         """hidden_states: [T, hidden] -> [T, hidden]; reads and writes this layer's state rows at meta.slots."""
         if self.states is None:
             raise RuntimeError("Mamba2Mixer has no bound state cache")
+        if meta.is_decode_only:
+            fused = self._fused_decode(hidden_states, meta)
+            if fused is not None:
+                return fused
         dtype = hidden_states.dtype
         proj = self.in_proj(hidden_states)  # [T, I + conv_dim + H]
         if self.in_proj_scale is not None:
@@ -283,6 +288,30 @@ class Mamba2Mixer(StatefulLayer):
             y = self._decode_unfused(xbc, dt, A, slots)
         self._copy_decode_checkpoints(meta, seqs, slots)
         return y
+
+    def _fused_decode(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor | None:
+        """x: [S, hidden] -> [S, hidden]: a decode-only step from in_proj to out_proj in one kernel call (the kernels
+        of the path through forward and _decode, same roundings), when both projections take the few-row kernel
+        and _decode would take mamba2_decode_; None otherwise."""
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        if kernels is None or self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
+                or ssm_states.dtype not in (torch.float32, torch.bfloat16) or not conv_states.is_contiguous() \
+                or not x.dtype == conv_states.dtype == self.conv1d.weight.dtype:
+            return None
+        in_w, out_w = few_row_weight(self.in_proj, x), few_row_weight(self.out_proj, x)
+        if in_w is None or out_w is None:
+            return None
+        lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
+        taps, conv_bias = self.conv_taps()
+        norm = self.norm
+        out = kernels.mamba2_mixer_decode_(x, conv_states, ssm_states, meta.slots, in_w, self.in_proj.bias, taps,
+                                           conv_bias, float32_copy(self, "dt_bias"), lo, hi, self.neg_exp_A(),
+                                           float32_copy(self, "D"), self.n_groups, float32_copy(norm, "weight"),
+                                           norm.group_size, norm.eps, norm.norm_before_gate, out_w,
+                                           self.out_proj.bias)
+        self._copy_decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
+        return out
 
     def _decode_unfused(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor
                         ) -> torch.Tensor:

@@ -24,7 +24,12 @@ def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor | None, ...
 
 def float32_copy(owner: nn.Module, name: str) -> torch.Tensor:
     """owner.<name> as a contiguous float32 tensor (the parameter itself when it already is one)."""
+    return dtype_copy(owner, name, torch.float32)
+
+
+def dtype_copy(owner: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """owner.<name> as a contiguous tensor of `dtype` (the parameter itself when it already is one)."""
     param = getattr(owner, name)
-    if param.dtype == torch.float32 and param.is_contiguous():
+    if param.dtype == dtype and param.is_contiguous():
         return param.detach()
-    return derived(owner, f"float32 {name}", (param,), lambda: param.detach().float().contiguous())
+    return derived(owner, f"{dtype} {name}", (param,), lambda: param.detach().to(dtype).contiguous())

@@ -20,9 +20,10 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import linear_without_bias
+from stateserve.layers.linear import few_row_weight, linear_without_bias
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
+from stateserve.layers.param_cache import dtype_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
                                          conv_state_at)
 
@@ -200,6 +201,10 @@ class MambaMixer(StatefulLayer):
         # x: [T, hidden] -> [T, hidden]
         if self.states is None:
             raise RuntimeError("MambaMixer: no state cache is bound")
+        if meta.is_decode_only:
+            fused = self._fused_decode(x, meta)
+            if fused is not None:
+                return fused
         u, z = self.in_proj(x).chunk(2, dim=-1)  # [T, D] each
         if meta.is_decode_only:
             return self.out_proj(self._decode(u, z, meta, list(range(len(meta.query_lens)))))
@@ -219,6 +224,23 @@ class MambaMixer(StatefulLayer):
         return self.out_proj(out)
 
     # ---- decode: one token per sequence ---------------------------------------------------------
+    def _fused_decode(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor | None:
+        """x: [S, hidden] -> [S, hidden]: the whole step in one kernel call (csrc mamba1_update.cpp), same ops and
+        roundings as the path below, when every linear takes the few-row kernel; None where it does not apply."""
+        kernels = cpu_kernels.load() if x.device.type == "cpu" and self.bcdt_norm is None else None
+        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+        weights = [few_row_weight(layer, x) for layer in linears] if kernels is not None else [None]
+        conv_state, ssm_state = self.states["conv"], self.states["ssm"]
+        if any(w is None for w in weights) or conv_state.dtype != x.dtype or ssm_state.dtype != torch.float32:
+            return None
+        in_w, x_w, dt_w, out_w = weights
+        taps, conv_bias = self.conv_taps()
+        out = kernels.mamba1_decode_(x, conv_state, ssm_state, meta.slots, in_w, self.in_proj.bias, taps, conv_bias,
+                                     x_w, dt_w, dtype_copy(self.dt_proj, "bias", x.dtype), self.neg_exp_A(),
+                                     dtype_copy(self, "D", x.dtype), out_w, self.out_proj.bias)
+        self._decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
+        return out
+
     def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
         """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
