@@ -202,22 +202,29 @@ def test_mamba2_prefill_snapshot_is_the_state_of_the_prompt_that_stops_there(P, 
         assert torch.equal(snaps[j], final), off
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mamba2_decode_equals_the_op_by_op_path(dtype, no_kernels):
-    """mamba2_decode_ (conv, step sizes and state update in one call) must give exactly the result of the kernels
-    one after the other, and match the PyTorch fallback; 5 sequences in scattered slots, 2 groups, clamped dt."""
+def _random_mamba2_mixer(dtype: torch.dtype, num_slots: int, g: torch.Generator):
+    """A Mamba2 mixer (hidden 32, 4 heads of 16, 2 groups, clamped dt) with weights drawn at std 0.5, and random
+    conv and ssm states for `num_slots` slots."""
     from stateserve.layers.mamba2_mixer import Mamba2Mixer
-    from stateserve.layers.metadata import StateMetadata
-
-    g = torch.Generator().manual_seed(21)
     mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
                         time_step_limit=(0.01, 0.2), dtype=dtype).to(dtype)
     with torch.no_grad():
         for p in mixer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    S, num_slots = 5, 9
     states = {"conv": torch.randn(num_slots, mixer.conv_dim, 3, generator=g).to(dtype),
               "ssm": torch.randn(num_slots, 4, 16, 16, generator=g)}
+    return mixer, states
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mamba2_decode_equals_the_op_by_op_path(dtype, no_kernels):
+    """mamba2_decode_ (conv, step sizes and state update in one call) must give exactly the result of the kernels
+    one after the other, and match the PyTorch fallback; 5 sequences in scattered slots, 2 groups, clamped dt."""
+    from stateserve.layers.metadata import StateMetadata
+
+    g = torch.Generator().manual_seed(21)
+    S, num_slots = 5, 9
+    mixer, states = _random_mamba2_mixer(dtype, num_slots, g)
     slots = torch.tensor([7, 2, 5, 0, 8])
     meta = StateMetadata(query_start_loc=list(range(S + 1)), query_lens=[1] * S, slots=slots,
                          has_initial_state=[True] * S, is_decode_only=True)
@@ -356,16 +363,9 @@ def test_fused_mamba1_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_mamba2_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch):
     """mamba2_mixer_decode_ (in_proj, conv, state update, gated norm, out_proj in one call) likewise."""
-    from stateserve.layers.mamba2_mixer import Mamba2Mixer
     g = torch.Generator().manual_seed(6)
-    mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
-                        time_step_limit=(0.01, 0.2), dtype=dtype).to(dtype)
-    with torch.no_grad():
-        for p in mixer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     slots, num_slots = [4, 0, 2], 8
-    states = {"conv": torch.randn(num_slots, mixer.conv_dim, 3, generator=g).to(dtype),
-              "ssm": torch.randn(num_slots, 4, 16, 16, generator=g)}
+    mixer, states = _random_mamba2_mixer(dtype, num_slots, g)
     x = torch.randn(3, 32, generator=g).to(dtype)
     results = _fused_against_op_by_op(mixer, states, x, _decode_meta(slots, [(1, 1, 7)]), dtype, monkeypatch)
     _check_fused(results, states, slots, dtype, checkpoint_dst=7)
