@@ -67,3 +67,35 @@ def test_teacher_forced_logits(kind, tmp_path):
             ours = engine_teacher_forced_logits(llm, tokens, chunk)
             # float32 end to end: differences come only from summation order
             torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: the qkv bias
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_layer_matches_op_by_op(kind, dtype, tmp_path, monkeypatch):
+    """decoder_layer_decode_ (a whole layer's decode step in one call) calls the kernels the layer calls op by op:
+    teacher-forced decode logits are identical with the fused path on and off, and the fused kernel ran for every
+    layer of every decode step."""
+    from stateserve.layers import cpu_kernels
+    from stateserve.models.llama import DecoderLayer
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    _, path = _build(kind, tmp_path)
+    tokens = list(range(3, 30))
+    calls = []
+
+    class Spy:  # counts the fused calls, forwards everything else
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def decoder_layer_decode_(self, *args):
+            calls.append(1)
+            return kernels.decoder_layer_decode_(*args)
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())
+    with LLM(path, skip_tokenizer_init=True, dtype=dtype) as llm:
+        fused = engine_teacher_forced_logits(llm, tokens, 1)
+        assert len(calls) == (len(tokens) - 1) * BASE["num_hidden_layers"]  # the first token is a prefill
+        monkeypatch.setattr(DecoderLayer, "_fused_decode", lambda *args: None)
+        op_by_op = engine_teacher_forced_logits(llm, tokens, 1)
+    assert torch.equal(fused, op_by_op)

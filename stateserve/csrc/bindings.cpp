@@ -35,6 +35,14 @@ torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::T
                              c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
                              torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
                              torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias);
+std::vector<torch::Tensor> decoder_layer_decode_(
+    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions, torch::Tensor norm1_weight,
+    double norm1_eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, torch::Tensor rope_table, int64_t rotary_dim, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+    double scale, torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor norm2_weight,
+    double norm2_eps, torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
+    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias);
 torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
                              c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -73,6 +81,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("selective_state_update_", &selective_state_update_, "Mamba1 decode: step sizes and state update in place, returns (C.h + u*D) * silu(z)", nogil);
   m.def("mamba1_decode_", &mamba1_decode_,
         "Mamba1 mixer decode, in_proj to out_proj, few-row kernels; conv and ssm states updated in place", nogil);
+  m.def("decoder_layer_decode_", &decoder_layer_decode_,
+        "Llama-style decoder layer decode (norms, attention over the paged cache, SwiGLU MLP), few-row kernels",
+        nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);

@@ -79,6 +79,16 @@ class Attention(nn.Module):
             out.index_copy_(0, meta.decode_rows, self._decode(q.index_select(0, meta.decode_rows), meta))
         return self._prefill(q, k, v, meta, meta.prefill_seqs, out)
 
+    def decode_kernel_args(self, dtype: torch.dtype, meta: AttnMetadata) -> tuple | None:
+        """(k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale): what a fused CPU decode step passes to
+        write_kv_cache and paged_decode_attention for this layer, as forward would; None where forward would not
+        take those kernels (no cache, not a decode-only step, another device or dtype, no kernels)."""
+        k_cache = self.k_cache
+        if k_cache is None or not meta.is_decode_only or k_cache.device.type != "cpu" or k_cache.dtype != dtype \
+                or self.v_cache.dtype != dtype or cpu_kernels.load() is None:
+            return None
+        return k_cache, self.v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               is_causal: bool) -> torch.Tensor:
         # q: [B, H, Lq, D]; k, v: [B, KH, Lk, D]

@@ -16,7 +16,8 @@ _module = None
 _failed = False
 _SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_attention_avx2.cpp", "prefill_attention.cpp",
             "prefill_attention_avx2.cpp", "linear.cpp", "packed_linear.cpp", "ssm_update.cpp", "mamba1_update.cpp",
-            "small_ops.cpp", "conv_update.cpp", "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp")
+            "small_ops.cpp", "conv_update.cpp", "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp",
+            "decoder_layer.cpp")
 
 
 def load():

@@ -67,10 +67,13 @@ class RotaryEmbedding(nn.Module):
         """Grow the cached [max_pos, dim] cos|sin table to cover `positions`."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
         if self._table is None or self._table.shape[0] < needed or self._table.device != positions.device:
-            size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
-            t = torch.arange(size, dtype=torch.float32, device=positions.device)
-            f = t[:, None] * self.inv_freq.to(positions.device)[None, :]
-            self._table = torch.cat([f.cos(), f.sin()], dim=-1)
+            self._grow_table(needed, positions.device)
+
+    def _grow_table(self, needed: int, device: torch.device) -> None:
+        size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
+        t = torch.arange(size, dtype=torch.float32, device=device)
+        f = t[:, None] * self.inv_freq.to(device)[None, :]
+        self._table = torch.cat([f.cos(), f.sin()], dim=-1)
 
     def _cos_sin(self, positions: torch.Tensor, seq_lens_per_token: torch.Tensor | None) -> tuple:
         if self._dynamic_scaling(seq_lens_per_token):
@@ -86,6 +89,17 @@ class RotaryEmbedding(nn.Module):
             cs = self._table[positions]
             return cs[:, : self.dim // 2], cs[:, self.dim // 2:]
         return freqs.cos(), freqs.sin()
+
+    def kernel_table(self, num_positions: int, device: torch.device,
+                     seq_lens_per_token: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The cos|sin table rotary_ reads, covering positions 0 .. num_positions - 1, when forward would use the
+        kernel (CPU, even rotary size, no dynamic NTK scaling in this step); else None. For fused decode steps,
+        which know their largest position from the metadata (no tensor max a layer)."""
+        if device.type != "cpu" or self.dim % 2 or self._dynamic_scaling(seq_lens_per_token):
+            return None
+        if self._table is None or self._table.shape[0] < num_positions or self._table.device != device:
+            self._grow_table(num_positions, device)
+        return self._table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 seq_lens_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from stateserve.layers import cpu_kernels
 from stateserve.layers.attention import Attention
+from stateserve.layers.linear import few_row_weight
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.norm import RMSNorm, silu_and_mul
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
@@ -77,10 +79,39 @@ class DecoderLayer(nn.Module):
         """x: [T, hidden] the previous layer's MLP output (the embeddings for the first layer, residual None);
         residual: the stream so far. -> (this layer's MLP output, the stream before it). Each add to the stream
         happens with the norm that follows it, in one kernel."""
+        if meta.is_decode_only:
+            fused = self._fused_decode(x, residual, positions, meta, rope_lens)
+            if fused is not None:
+                return fused
         h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, positions, meta, rope_lens)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+
+    def _fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      meta: AttnMetadata, rope_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode step of forward in one kernel call (csrc/decoder_layer.cpp: the same kernels, same results),
+        when every projection takes the few-row kernel and the norms, rotary and attention would take theirs; else
+        None. x, residual: as forward."""
+        attn, mlp = self.self_attn, self.mlp
+        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if kernels is None or x.dim() != 2 or any(w.dtype != x.dtype for w in norms) or (
+                residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous())):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [few_row_weight(layer, x) for layer in linears]
+        cache = attn.attn.decode_kernel_args(x.dtype, meta)
+        table = attn.rotary.kernel_table(meta.max_seq_len, x.device, rope_lens)  # decode: positions < seq lens
+        if any(w is None for w in weights) or cache is None or table is None:
+            return None
+        qkv_w, o_w, gate_up_w, down_w = weights
+        out, residual = kernels.decoder_layer_decode_(
+            x, residual, positions, norms[0], self.input_layernorm.eps, qkv_w, attn.qkv_proj.bias, attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, table, attn.rotary.dim, *cache, o_w, attn.o_proj.bias, norms[1],
+            self.post_attention_layernorm.eps, gate_up_w, mlp.gate_up_proj.bias, down_w, mlp.down_proj.bias)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
