@@ -10,6 +10,8 @@ oneDNN where there is no such copy, and autograd through `F.linear`. Model code 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +132,29 @@ class FastLinear(nn.Linear):
         return out if two_d else out.view(*x.shape[:-1], self.out_features)
 
 
-def few_row_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The layer's weight when its product with the rows of x ([rows, in_features]) takes the few-row kernel
-    (FastLinear.product's first route), else None. For fused kernels that call that kernel themselves."""
-    if not isinstance(layer, FastLinear) or x.dim() != 2 or not 0 < x.shape[0] <= layer.max_rows:
-        return None
-    weight = layer.weight
-    return weight if weight.dtype == x.dtype and not torch.is_grad_enabled() else None
+def few_row_limit(layers: Sequence[nn.Module]) -> int:
+    """Up to how many rows every one of `layers` takes the few-row kernel (FastLinear.product's first route); 0
+    when one of them is not a FastLinear with that kernel or their dtypes differ."""
+    if not all(isinstance(layer, FastLinear) for layer in layers) or \
+            len({layer.weight.dtype for layer in layers}) != 1:
+        return 0
+    return min(layer.max_rows for layer in layers)
+
+
+@dataclass(frozen=True)
+class FewRowCall:
+    """What a fused kernel that runs a layer's projections through the few-row kernel takes from the layer: its
+    weights and configuration in the kernel's forms, for up to `max_rows` rows of `dtype`. Made once per weight
+    version (param_cache.derived_from_module) after the weights are prepacked at load; switches that may change
+    between steps (Mamba2's clamp_dt_on_decode) stay out of it and are read per call."""
+    max_rows: int
+    dtype: torch.dtype
+    args: tuple
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether x ([rows, features]) goes to the few-row kernel now, as FastLinear.product would route it."""
+        return x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == self.dtype \
+            and not torch.is_grad_enabled()
 
 
 def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,18 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import few_row_weight
+from stateserve.layers.linear import FewRowCall, few_row_limit
 from stateserve.layers.metadata import StateMetadata
-from stateserve.layers.param_cache import float32_copy
+from stateserve.layers.param_cache import derived_from_module, float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
                                          conv_state_at, sequence_chunks)
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 class GatedRMSNorm(nn.Module):
@@ -293,25 +297,36 @@ class Mamba2Mixer(StatefulLayer):
         """x: [S, hidden] -> [S, hidden]: a decode-only step from in_proj to out_proj in one kernel call (the kernels
         of the path through forward and _decode, same roundings), when both projections take the few-row kernel
         and _decode would take mamba2_decode_; None otherwise."""
-        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-        if kernels is None or self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
-                or ssm_states.dtype not in (torch.float32, torch.bfloat16) or not conv_states.is_contiguous() \
-                or not x.dtype == conv_states.dtype == self.conv1d.weight.dtype:
+        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernels is not None else None
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        if call is None or not call.applies(x) or ssm_states.dtype not in (torch.float32, torch.bfloat16) \
+                or not conv_states.is_contiguous() or conv_states.dtype != x.dtype:
             return None
-        in_w, out_w = few_row_weight(self.in_proj, x), few_row_weight(self.out_proj, x)
-        if in_w is None or out_w is None:
-            return None
-        lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
-        taps, conv_bias = self.conv_taps()
-        norm = self.norm
-        out = kernels.mamba2_mixer_decode_(x, conv_states, ssm_states, meta.slots, in_w, self.in_proj.bias, taps,
-                                           conv_bias, float32_copy(self, "dt_bias"), lo, hi, self.neg_exp_A(),
-                                           float32_copy(self, "D"), self.n_groups, float32_copy(norm, "weight"),
-                                           norm.group_size, norm.eps, norm.norm_before_gate, out_w,
-                                           self.out_proj.bias)
+        before_limits, after_limits = call.args
+        lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))  # a switch
+        out = kernels.mamba2_mixer_decode_(x, conv_states, ssm_states, meta.slots, *before_limits, lo, hi,
+                                           *after_limits)
         self._copy_decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
         return out
+
+    def _fused_decode_call(self) -> FewRowCall | None:
+        """mamba2_mixer_decode_'s fixed arguments (made once per weight version) before and after the step-size
+        limits, or None: no gated norm, an in_proj scale, another activation, or a projection without the few-row
+        kernel."""
+        limit = few_row_limit((self.in_proj, self.out_proj))
+        dtype = self.in_proj.weight.dtype
+        if not limit or self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
+                or self.conv1d.weight.dtype != dtype:
+            return None
+        taps, conv_bias = self.conv_taps()
+        norm = self.norm
+        before_limits = (self.in_proj.weight.detach(), _detached(self.in_proj.bias), taps, conv_bias,
+                         float32_copy(self, "dt_bias"))
+        after_limits = (self.neg_exp_A(), float32_copy(self, "D"), self.n_groups, float32_copy(norm, "weight"),
+                        norm.group_size, norm.eps, norm.norm_before_gate, self.out_proj.weight.detach(),
+                        _detached(self.out_proj.bias))
+        return FewRowCall(limit, dtype, (before_limits, after_limits))
 
     def _decode_unfused(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor
                         ) -> torch.Tensor:

@@ -33,3 +33,19 @@ def dtype_copy(owner: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
     if param.dtype == dtype and param.is_contiguous():
         return param.detach()
     return derived(owner, f"{dtype} {name}", (param,), lambda: param.detach().to(dtype).contiguous())
+
+
+def module_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter of `module` and its submodules, read from the modules' own dicts: nn.Module.parameters()
+    costs ~10 us a call, too much for a key checked at every decode step of every layer."""
+    params = [p for p in module._parameters.values() if p is not None]
+    for child in module._modules.values():
+        if child is not None:
+            params.extend(module_parameters(child))
+    return params
+
+
+def derived_from_module(owner: nn.Module, name: str, make: Callable[[], Any]) -> Any:
+    """`derived` keyed on every parameter of `owner` and its submodules: for what a fused kernel call takes from a
+    whole layer (its weights in the kernel's forms), made once per weight version of any of them."""
+    return derived(owner, name, tuple(module_parameters(owner)), make)

@@ -20,10 +20,10 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import few_row_weight, linear_without_bias
+from stateserve.layers.linear import FewRowCall, few_row_limit, linear_without_bias
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
-from stateserve.layers.param_cache import dtype_copy
+from stateserve.layers.param_cache import derived_from_module, dtype_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
                                          conv_state_at)
 
@@ -227,19 +227,27 @@ class MambaMixer(StatefulLayer):
     def _fused_decode(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor | None:
         """x: [S, hidden] -> [S, hidden]: the whole step in one kernel call (csrc mamba1_update.cpp), same ops and
         roundings as the path below, when every linear takes the few-row kernel; None where it does not apply."""
-        kernels = cpu_kernels.load() if x.device.type == "cpu" and self.bcdt_norm is None else None
-        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
-        weights = [few_row_weight(layer, x) for layer in linears] if kernels is not None else [None]
+        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
+        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernels is not None else None
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
-        if any(w is None for w in weights) or conv_state.dtype != x.dtype or ssm_state.dtype != torch.float32:
+        if call is None or not call.applies(x) or conv_state.dtype != x.dtype or ssm_state.dtype != torch.float32:
             return None
-        in_w, x_w, dt_w, out_w = weights
-        taps, conv_bias = self.conv_taps()
-        out = kernels.mamba1_decode_(x, conv_state, ssm_state, meta.slots, in_w, self.in_proj.bias, taps, conv_bias,
-                                     x_w, dt_w, dtype_copy(self.dt_proj, "bias", x.dtype), self.neg_exp_A(),
-                                     dtype_copy(self, "D", x.dtype), out_w, self.out_proj.bias)
+        out = kernels.mamba1_decode_(x, conv_state, ssm_state, meta.slots, *call.args)
         self._decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
         return out
+
+    def _fused_decode_call(self) -> FewRowCall | None:
+        """mamba1_decode_'s weight arguments (made once per weight version), or None: dt/B/C norms, or a projection
+        without the few-row kernel."""
+        limit = few_row_limit((self.in_proj, self.x_proj, self.dt_proj, self.out_proj))
+        if self.bcdt_norm is not None or not limit:
+            return None
+        dtype = self.in_proj.weight.dtype
+        taps, conv_bias = self.conv_taps()
+        args = (self.in_proj.weight, self.in_proj.bias, taps, conv_bias, self.x_proj.weight, self.dt_proj.weight,
+                dtype_copy(self.dt_proj, "bias", dtype), self.neg_exp_A(), dtype_copy(self, "D", dtype),
+                self.out_proj.weight, self.out_proj.bias)
+        return FewRowCall(limit, dtype, tuple(None if t is None else t.detach() for t in args))
 
     def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
         """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""

@@ -9,9 +9,10 @@ from torch import nn
 
 from stateserve.layers import cpu_kernels
 from stateserve.layers.attention import Attention
-from stateserve.layers.linear import few_row_weight
+from stateserve.layers.linear import FewRowCall, few_row_limit
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.norm import RMSNorm, silu_and_mul
+from stateserve.layers.param_cache import derived_from_module
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
 from stateserve.models.base import ModelBase, stacked
 
@@ -94,24 +95,38 @@ class DecoderLayer(nn.Module):
         """The decode step of forward in one kernel call (csrc/decoder_layer.cpp: the same kernels, same results),
         when every projection takes the few-row kernel and the norms, rotary and attention would take theirs; else
         None. x, residual: as forward."""
-        attn, mlp = self.self_attn, self.mlp
         kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if kernels is None or x.dim() != 2 or any(w.dtype != x.dtype for w in norms) or (
+        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernels is not None else None
+        if call is None or not call.applies(x) or (
                 residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous())):
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weights = [few_row_weight(layer, x) for layer in linears]
+        attn = self.self_attn
         cache = attn.attn.decode_kernel_args(x.dtype, meta)
         table = attn.rotary.kernel_table(meta.max_seq_len, x.device, rope_lens)  # decode: positions < seq lens
-        if any(w is None for w in weights) or cache is None or table is None:
+        if cache is None or table is None:
             return None
-        qkv_w, o_w, gate_up_w, down_w = weights
-        out, residual = kernels.decoder_layer_decode_(
-            x, residual, positions, norms[0], self.input_layernorm.eps, qkv_w, attn.qkv_proj.bias, attn.num_heads,
-            attn.num_kv_heads, attn.head_dim, table, attn.rotary.dim, *cache, o_w, attn.o_proj.bias, norms[1],
-            self.post_attention_layernorm.eps, gate_up_w, mlp.gate_up_proj.bias, down_w, mlp.down_proj.bias)
-        return out, residual
+        before_attention, after_attention = call.args
+        return tuple(kernels.decoder_layer_decode_(x, residual, positions, *before_attention, table, attn.rotary.dim,
+                                                   *cache, *after_attention))
+
+    def _fused_decode_call(self) -> FewRowCall | None:
+        """decoder_layer_decode_'s fixed arguments (made once per weight version): those before the rotary table and
+        those after the cache; None when a projection lacks the few-row kernel or a norm has another dtype."""
+        attn, mlp = self.self_attn, self.mlp
+        limit = few_row_limit((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        dtype = attn.qkv_proj.weight.dtype
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if not limit or norm1.weight.dtype != dtype or norm2.weight.dtype != dtype:
+            return None
+
+        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach()
+        before = (tensor(norm1.weight), norm1.eps, tensor(attn.qkv_proj.weight), tensor(attn.qkv_proj.bias),
+                  attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        after = (tensor(attn.o_proj.weight), tensor(attn.o_proj.bias), tensor(norm2.weight), norm2.eps,
+                 tensor(mlp.gate_up_proj.weight), tensor(mlp.gate_up_proj.bias), tensor(mlp.down_proj.weight),
+                 tensor(mlp.down_proj.bias))
+        return FewRowCall(limit, dtype, (before, after))
 
 
 class LlamaModel(nn.Module):
