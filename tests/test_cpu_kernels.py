@@ -383,3 +383,34 @@ def test_fused_mixer_decode_steps_aside_past_the_few_row_kernel():
         assert mixer._fused_decode(torch.randn(2, 24), _decode_meta([0, 1])) is not None
         rows = mixer.in_proj.max_rows + 1
         assert mixer._fused_decode(torch.randn(rows, 24), _decode_meta(list(range(rows)))) is None
+
+
+def test_fused_decode_follows_weight_updates(monkeypatch):
+    """The fused call's arguments are made once per weight version: a parameter written in place (D, whose bfloat16
+    copy the call holds) or replaced (out_proj's weight) is what the next step computes with."""
+    from stateserve.layers.linear import install_fast_linear
+    from stateserve.layers.selective_scan import MambaMixer
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(8)
+    mixer = MambaMixer(24, 40, 16, conv_kernel=4, time_step_rank=6, use_conv_bias=True, use_bias=False,
+                       dtype=dtype).to(dtype)
+    mixer.D.data = mixer.D.data.float()  # kept in float32, as checkpoints often have it: the call holds a copy
+    install_fast_linear(torch.nn.Sequential(mixer), dtype, torch.device("cpu"))
+    states = {"conv": torch.randn(4, 40, 3, generator=g).to(dtype), "ssm": torch.randn(4, 40, 16, generator=g)}
+    x, meta = torch.randn(2, 24, generator=g).to(dtype), _decode_meta([1, 3])
+
+    def step(fused: bool) -> torch.Tensor:
+        mixer.bind_cache({k: v.clone() for k, v in states.items()})
+        with torch.inference_mode():
+            return mixer._fused_decode(x, meta) if fused else mixer(x, _decode_meta([1, 3]))
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: kernels)
+    before = step(True)
+    with torch.no_grad():
+        mixer.D.mul_(3.0)
+    after_d = step(True)
+    mixer.out_proj.weight = torch.nn.Parameter(torch.randn(24, 40, generator=g).to(dtype))
+    after_w = step(True)
+    assert not torch.equal(before, after_d) and not torch.equal(after_d, after_w)
+    monkeypatch.setattr(MambaMixer, "_fused_decode", lambda *a: None)
+    _close(after_w, step(False), 2e-2)
