@@ -116,3 +116,17 @@ def assert_greedy_matches(ours: list[list[int]], ref: list[list[int]], hf_model,
         logits = hf_logits(hf_model, p + b[:k])[-1]
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < tol, f"greedy diverged at step {k}: ours {a} vs transformers {b}"
+
+
+def random_mamba2_mixer(dtype: torch.dtype, num_slots: int, g: torch.Generator):
+    """A Mamba2 mixer (hidden 32, 4 heads of 16, 2 groups, clamped dt) with weights drawn at std 0.5, and random
+    conv and ssm states for `num_slots` slots."""
+    from stateserve.layers.mamba2_mixer import Mamba2Mixer
+    mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
+                        time_step_limit=(0.01, 0.2), dtype=dtype).to(dtype)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    states = {"conv": torch.randn(num_slots, mixer.conv_dim, 3, generator=g).to(dtype),
+              "ssm": torch.randn(num_slots, 4, 16, 16, generator=g)}
+    return mixer, states
