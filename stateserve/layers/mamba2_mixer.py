@@ -42,10 +42,6 @@ from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
 
 
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm over groups of `group_size` channels, gated by silu(z), computed in float32.
 
@@ -321,11 +317,9 @@ class Mamba2Mixer(StatefulLayer):
             return None
         taps, conv_bias = self.conv_taps()
         norm = self.norm
-        before_limits = (self.in_proj.weight.detach(), _detached(self.in_proj.bias), taps, conv_bias,
-                         float32_copy(self, "dt_bias"))
+        before_limits = (self.in_proj.weight, self.in_proj.bias, taps, conv_bias, float32_copy(self, "dt_bias"))
         after_limits = (self.neg_exp_A(), float32_copy(self, "D"), self.n_groups, float32_copy(norm, "weight"),
-                        norm.group_size, norm.eps, norm.norm_before_gate, self.out_proj.weight.detach(),
-                        _detached(self.out_proj.bias))
+                        norm.group_size, norm.eps, norm.norm_before_gate, self.out_proj.weight, self.out_proj.bias)
         return FewRowCall(limit, dtype, (before_limits, after_limits))
 
     def _decode_unfused(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor

@@ -65,11 +65,12 @@ class RotaryEmbedding(nn.Module):
 
     def _ensure_table(self, positions: torch.Tensor) -> None:
         """Grow the cached [max_pos, dim] cos|sin table to cover `positions`."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self._table is None or self._table.shape[0] < needed or self._table.device != positions.device:
-            self._grow_table(needed, positions.device)
+        self._cover(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
 
-    def _grow_table(self, needed: int, device: torch.device) -> None:
+    def _cover(self, needed: int, device: torch.device) -> None:
+        """Grow the table, when it is short of `needed` positions or on another device."""
+        if self._table is not None and self._table.shape[0] >= needed and self._table.device == device:
+            return
         size = max(needed, 2 * (self._table.shape[0] if self._table is not None else 1024))
         t = torch.arange(size, dtype=torch.float32, device=device)
         f = t[:, None] * self.inv_freq.to(device)[None, :]
@@ -97,8 +98,7 @@ class RotaryEmbedding(nn.Module):
         which know their largest position from the metadata (no tensor max a layer)."""
         if device.type != "cpu" or self.dim % 2 or self._dynamic_scaling(seq_lens_per_token):
             return None
-        if self._table is None or self._table.shape[0] < num_positions or self._table.device != device:
-            self._grow_table(num_positions, device)
+        self._cover(num_positions, device)
         return self._table
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -247,7 +247,7 @@ class MambaMixer(StatefulLayer):
         args = (self.in_proj.weight, self.in_proj.bias, taps, conv_bias, self.x_proj.weight, self.dt_proj.weight,
                 dtype_copy(self.dt_proj, "bias", dtype), self.neg_exp_A(), dtype_copy(self, "D", dtype),
                 self.out_proj.weight, self.out_proj.bias)
-        return FewRowCall(limit, dtype, tuple(None if t is None else t.detach() for t in args))
+        return FewRowCall(limit, dtype, args)
 
     def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
         """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""

@@ -89,7 +89,6 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
-
     def _fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                       meta: AttnMetadata, rope_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decode step of forward in one kernel call (csrc/decoder_layer.cpp: the same kernels, same results),
@@ -118,14 +117,10 @@ class DecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if not limit or norm1.weight.dtype != dtype or norm2.weight.dtype != dtype:
             return None
-
-        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach()
-        before = (tensor(norm1.weight), norm1.eps, tensor(attn.qkv_proj.weight), tensor(attn.qkv_proj.bias),
-                  attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        after = (tensor(attn.o_proj.weight), tensor(attn.o_proj.bias), tensor(norm2.weight), norm2.eps,
-                 tensor(mlp.gate_up_proj.weight), tensor(mlp.gate_up_proj.bias), tensor(mlp.down_proj.weight),
-                 tensor(mlp.down_proj.bias))
+        before = (norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_heads,
+                  attn.num_kv_heads, attn.head_dim)
+        after = (attn.o_proj.weight, attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
+                 mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
         return FewRowCall(limit, dtype, (before, after))
 
 
