@@ -1,7 +1,12 @@
 """stateserve: an inference engine where decoders, state-space models and hybrids are first-class."""
+from stateserve.logger import configure_logging
 from stateserve.models.registry import ModelRegistry
 from stateserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from stateserve.sampling_params import SamplingParams
+
+# On the first import of the package (the imports above log nothing): without a handler, Python would drop every
+# INFO line, the load report included. STATESERVE_CONFIGURE_LOGGING=0 leaves logging to the application.
+configure_logging()
 
 
 def __getattr__(name: str):

@@ -11,32 +11,56 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+# the accepted values, shared by the checks in __post_init__ and the CLI's choices
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_MAMBA_CACHE_MODES = ("none", "all", "align")
+_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+_RUNNERS = ("auto", "generate", "pooling")
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field's default with the help text (and choices) that `stateserve generate/serve` show for its flag: the
+    CLI is generated from these fields (entrypoints/cli.py), so its defaults cannot drift from the API's."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"  # a torch.dtype is taken as its name, as vLLM does
-    load_format: str = "auto"  # auto | safetensors | dummy
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool | None = None  # None = the default for the model kind
-    mamba_cache_mode: str | None = None  # none | all | align; None = the default
-    # dtype of SSM states: float32 | bfloat16 | auto (the model dtype where the layer kind can keep it, as vLLM
-    # and transformers do; Mamba1 and gated-delta-net states stay float32)
-    mamba_ssm_cache_dtype: str = "auto"
-    hf_overrides: dict[str, Any] | None = None
-    skip_tokenizer_init: bool = False
-    device: str = "auto"
-    enforce_eager: bool = False
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    runner: str = "auto"  # auto | generate | pooling
-    trust_remote_code: bool = False
+    tokenizer: str | None = _option(None, "tokenizer folder (default: the model folder)")
+    # a torch.dtype is taken as its name, as vLLM does
+    dtype: str | torch.dtype = _option("auto", "weights and activations; auto = the checkpoint's (float16 runs as "
+                                               "float32 on CPU)", ("auto", *_DTYPES))
+    load_format: str = _option("auto", "auto and safetensors read the folder's weights; dummy draws random ones "
+                                       "(benchmarks)", _LOAD_FORMATS)
+    seed: int = _option(0, "seed of sampling without a per-request seed, and of dummy weights")
+    max_model_len: int | None = _option(None, "most tokens (prompt + output) per sequence (default: the model's "
+                                              "max_position_embeddings)")
+    max_num_seqs: int = _option(64, "most sequences running at once")
+    max_num_batched_tokens: int = _option(2048, "most tokens one engine step computes (prefill chunks + decodes)")
+    block_size: int = _option(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool | None = _option(None, "reuse the KV blocks and state snapshots of shared prompt "
+                                                       "prefixes (default: the model kind's default)")
+    mamba_cache_mode: str | None = _option(None, "recurrent-state snapshots for prefix caching: all = at every "
+                                                 "block boundary, align = at chunk ends, none (default: the model "
+                                                 "kind's default)", _MAMBA_CACHE_MODES)
+    # auto keeps states in the model dtype where the layer kind can, as vLLM and transformers do; Mamba1 and
+    # gated-delta-net states stay float32
+    mamba_ssm_cache_dtype: str = _option("auto", "dtype of Mamba2-style SSM states (auto: the model's); bfloat16 "
+                                                 "halves their memory traffic", _SSM_CACHE_DTYPES)
+    hf_overrides: dict[str, Any] | None = _option(None, "values set on the model's config after config.json is read "
+                                                        "(CLI: a JSON object)")
+    skip_tokenizer_init: bool = _option(False, "no tokenizer: prompts must be token ids and outputs carry no text "
+                                               "(benchmarks)")
+    device: str = _option("auto", "auto (cuda when available), cpu, cuda or cuda:N")
+    enforce_eager: bool = _option(False, "no CUDA graphs: every decode step runs eagerly")
+    kv_cache_memory_bytes: int | None = _option(None, "bytes for KV blocks and state slots (default: what is left on "
+                                                      "CUDA, STATESERVE_CPU_KV_CACHE_SPACE on CPU)")
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory the engine may use, caches included")
+    runner: str = _option("auto", "auto picks by the architecture: generate for language models, pooling for "
+                                  "embedding models", _RUNNERS)
+    trust_remote_code: bool = _option(False, "accepted as vLLM does; stateserve never runs code from the model "
+                                             "folder")
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -51,7 +75,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", name)  # frozen: normalised once, here
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             bad(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in _LOAD_FORMATS:
             bad(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:
             bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -61,15 +85,15 @@ class EngineConfig:
             bad(f"block_size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.mamba_cache_mode not in (None, "none", "all", "align"):
+        if self.mamba_cache_mode not in (None, *_MAMBA_CACHE_MODES):
             bad(f"mamba_cache_mode must be none, all or align, got {self.mamba_cache_mode!r}")
-        if self.mamba_ssm_cache_dtype not in ("float32", "bfloat16", "auto"):
+        if self.mamba_ssm_cache_dtype not in _SSM_CACHE_DTYPES:
             bad(f"mamba_ssm_cache_dtype must be float32, bfloat16 or auto, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.runner not in ("auto", "generate", "pooling"):
+        if self.runner not in _RUNNERS:
             bad(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad(f"device must be auto, cpu or cuda[:N], got {self.device!r}")

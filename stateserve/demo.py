@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import textwrap
 import time
 from typing import Any
@@ -76,6 +77,7 @@ def demo_model(name: str, path: str, max_tokens: int) -> None:
         print(f"--- {name}: skipped, stateserve does not run {arch} yet")
         return
     print(f"=== {name} ({arch}) ===")
+    print(f"loading {path} ...")
     load_start = time.perf_counter()
     llm, caching = _open(path)
     print(f"loaded in {time.perf_counter() - load_start:.1f}s; prefix caching {caching}")
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("only", nargs="*", help="run only models whose folder name contains one of these")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = p.parse_args(argv)
+    # each line as it happens, also when make's output goes to a pipe or a log (block-buffered otherwise)
+    sys.stdout.reconfigure(line_buffering=True)
     os.environ.setdefault("STATESERVE_DISABLE_TQDM", "1")
     models = {n: m for n, m in bundled_models().items() if not args.only or any(o in n for o in args.only)}
     # attention-free first, then the hybrid, then the transformer (the order default_model_path prefers)

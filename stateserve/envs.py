@@ -19,6 +19,17 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected a boolean (1/0/true/false), got {v!r}")
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(v: str) -> str:
+    # checked here, not by logging.setLevel, so the error names the variable and what it accepts
+    name = v.strip().upper()
+    if name not in _LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(_LOG_LEVELS)}, got {v!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class EnvVar:
     parse: Callable[[str], Any]
@@ -27,12 +38,19 @@ class EnvVar:
 
 
 ENV_VARS: dict[str, EnvVar] = {
-    "STATESERVE_LOG_LEVEL": EnvVar(str, "INFO", "Log level of the 'stateserve' logger."),
+    "STATESERVE_LOG_LEVEL": EnvVar(_log_level, "INFO", "Level of the 'stateserve' logger (DEBUG, INFO, WARNING, "
+                                                       "ERROR, CRITICAL; any case)."),
+    "STATESERVE_CONFIGURE_LOGGING": EnvVar(_bool, True, "On the first import, give the 'stateserve' logger a stdout "
+                                                        "handler and STATESERVE_LOG_LEVEL, and stop propagation; 0 = "
+                                                        "leave logging to the application."),
     "STATESERVE_RUNNER": EnvVar(str, "default", "default | reference: the reference runner recomputes everything "
                                                 "one request at a time (the oracle for bug reports)."),
     "STATESERVE_CPU_KV_CACHE_SPACE": EnvVar(float, 4.0, "GiB of cache (KV blocks + state slots) on CPU when "
                                                         "kv_cache_memory_bytes is not given."),
-    "STATESERVE_NUM_THREADS": EnvVar(int, 0, "torch intra-op threads on CPU; 0 = all cores."),
+    "STATESERVE_NUM_THREADS": EnvVar(int, 0, "Most intra-op threads a CPU step uses; 0 = torch's count (all "
+                                             "cores unless set otherwise)."),
+    "STATESERVE_ADAPTIVE_THREADS": EnvVar(_bool, True, "Compute on fewer threads while other processes use cores "
+                                                       "(runner/cpu_threads.py); 0 = always the most."),
     "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
     "STATESERVE_CPU_KERNELS": EnvVar(_bool, True, "Use the C++ CPU kernels (built on first use) where they exist."),
     "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
@@ -42,6 +60,12 @@ ENV_VARS: dict[str, EnvVar] = {
                                                     "fresh mmap each (raised mmap/trim thresholds)."),
     "STATESERVE_HUGE_PAGES": EnvVar(_bool, True, "Put CPU weights and caches on transparent huge pages "
                                                  "(madvise) where Linux offers them."),
+    "STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES": EnvVar(int, 3, "A step that raises fails only the requests in it; "
+                                                               "this many failed steps in a row stop the engine "
+                                                               "(EngineDeadError). At least 1."),
+    "STATESERVE_FAULT_INJECT": EnvVar(str, "", "Test hook, 'layer=L,step=S[,count=C]': decoder layer L raises after "
+                                               "its forward in model steps S..S+C-1 (engine/fault_inject.py); "
+                                               "turns CUDA graphs off. Empty = off."),
 }
 
 

@@ -9,6 +9,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("STATESERVE_DISABLE_TQDM", "1")
+# Tests compare runs bit for bit, and a kernel's reduction order follows the team size: a team that shrank between
+# two runs because something else ran on the machine would fail them. tests/test_cpu_threads.py runs the governor.
+os.environ.setdefault("STATESERVE_ADAPTIVE_THREADS", "0")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

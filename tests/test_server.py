@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ from stateserve.config import EngineConfig
 from stateserve.engine.llm_engine import LLMEngine, load_tokenizer
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.server import GracefulServer, bind_socket, build_app
-from utils import build_hf_model, hf_greedy, save_model
+from utils import build_hf_model, hf_greedy, save_model, start_server
 
 CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
@@ -385,27 +384,8 @@ def test_metrics(srv):
 
 
 def _start_subprocess(path, *extra):
-    cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", path, "--port", "0",
-           "--served-model-name", NAME, "--no-enable-prefix-caching", "--max-num-batched-tokens", "64",
-           "--uvicorn-log-level", "warning", *extra]
-    env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1", "STATESERVE_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    deadline = time.monotonic() + 60
-    while True:
-        found = [m for line in list(lines) if (m := re.search(r"on http://127\.0\.0\.1:(\d+)", line))]
-        if found:
-            url = f"http://127.0.0.1:{found[0].group(1)}"
-            try:
-                if httpx2.get(url + "/health", timeout=2).status_code == 200:
-                    return proc, url, lines
-            except httpx2.HTTPError:
-                pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("server subprocess did not come up:\n" + "".join(lines))
-        time.sleep(0.1)
+    return start_server(path, "--served-model-name", NAME, "--no-enable-prefix-caching", "--max-num-batched-tokens",
+                        "64", "--uvicorn-log-level", "warning", *extra)
 
 
 def _metric(url, name):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import torch
 
@@ -130,3 +131,40 @@ def random_mamba2_mixer(dtype: torch.dtype, num_slots: int, g: torch.Generator):
     states = {"conv": torch.randn(num_slots, mixer.conv_dim, 3, generator=g).to(dtype),
               "ssm": torch.randn(num_slots, 4, 16, 16, generator=g)}
     return mixer, states
+
+
+def start_server(model: str, *args: str, env: dict[str, str] | None = None,
+                 timeout_s: float = 600) -> tuple["subprocess.Popen", str, list[str]]:
+    """`stateserve serve MODEL --port 0 ARGS` in a subprocess, once its /health answers 200: (the process, its URL,
+    its log lines, still growing). stateserve logs on stdout and uvicorn on stderr: both are read, in one stream,
+    for the port and for the report if the start fails. The deadline is generous: a first start after a kernel
+    source change compiles for minutes, and killing it then would leave torch's build lock behind; a server that
+    fails exits on its own."""
+    import re
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx2
+
+    cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", model, "--port", "0", *args]
+    full_env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1", "STATESERVE_NUM_THREADS": "1", **(env or {})}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=repo)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [m for line in list(lines) if (m := re.search(r"on http://127\.0\.0\.1:(\d+)", line))]
+        if found:
+            url = f"http://127.0.0.1:{found[0].group(1)}"
+            try:
+                if httpx2.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url, lines
+            except httpx2.HTTPError:
+                pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server subprocess did not come up:\n" + "".join(lines))
+        time.sleep(0.1)

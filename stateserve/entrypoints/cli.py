@@ -2,36 +2,84 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
+import types
+import typing
+from typing import Any, Callable
+
+
+# EngineConfig fields that get no flag, and why (every other field does; tests/test_cli_flags.py checks both)
+_NOT_FLAGS = {
+    "model": "each command names the model itself (positional on serve, --model on generate)",
+    "runner": "both commands generate text; the pooling runner is reached through LLM.embed",
+}
+
+
+def _json_object(text: str) -> dict:
+    """--hf-overrides '{"num_hidden_layers": 2}': a JSON object, as vLLM's flag takes it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+# Fields whose type argparse cannot take as it is: the dtype union is a name on the command line, the dict a JSON
+# object. Any other type outside int/float/str/bool (optional or not) fails loudly in _engine_flags.
+_CLI_TYPES: dict[str, Callable[[str], Any]] = {"dtype": str, "hf_overrides": _json_object}
+# some Python versions (3.10) append the default to a BooleanOptionalAction's help themselves, later ones do not
+_BOOL_HELP_HAS_DEFAULT = "%(default)" in (argparse.BooleanOptionalAction(["--x"], "x", default=False, help="").help
+                                          or "")
+
+
+def _engine_flags() -> list[tuple[dataclasses.Field, dict[str, Any]]]:
+    """Each flagged EngineConfig field with its add_argument keywords, derived from the field itself: type from the
+    annotation, default from the dataclass, help and choices from the field's metadata."""
+    from stateserve.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    flags = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        if not f.metadata.get("help"):
+            raise TypeError(f"EngineConfig.{f.name} has no help text: declare it with config._option(...)")
+        hint = hints[f.name]
+        # `X | None` takes X on the command line and keeps None as the default
+        is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = [t for t in typing.get_args(hint) if t is not type(None)] if is_union else [hint]
+        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"].replace("%", "%%")}
+        if f.name in _CLI_TYPES:
+            kw["type"] = _CLI_TYPES[f.name]
+        elif kinds == [bool]:
+            kw["action"] = argparse.BooleanOptionalAction  # --x / --no-x
+        elif len(kinds) == 1 and kinds[0] in (int, float, str):
+            kw["type"] = kinds[0]
+        else:
+            raise TypeError(f"EngineConfig.{f.name}: no command-line form for {hint}; add one to _CLI_TYPES or a "
+                            "reason to _NOT_FLAGS")
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        if f.default is not None and not ("action" in kw and _BOOL_HELP_HAS_DEFAULT):
+            kw["help"] += " (default: %(default)s)"  # a None default is described in the help text's words
+        flags.append((f, kw))
+    return flags
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as a --flag (shared by generate and serve)."""
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--mamba-cache-mode", default=None, choices=["none", "all", "align"])
-    p.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["float32", "bfloat16", "auto"],
-                   help="dtype of Mamba2-style SSM states (auto: the model's); bfloat16 halves their memory traffic")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="no tokenizer: prompts must be token ids and outputs carry no text (benchmarks)")
+    """Every EngineConfig field but _NOT_FLAGS as a --flag (shared by generate and serve)."""
+    for f, kw in _engine_flags():
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["dtype", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-            "block_size", "enable_prefix_caching", "mamba_cache_mode", "mamba_ssm_cache_dtype", "device", "enforce_eager",
-            "kv_cache_memory_bytes", "tokenizer", "skip_tokenizer_init"]
-    return {k: getattr(args, k) for k in keys}
+    """The EngineConfig keyword arguments the parsed engine flags give (every flagged field, set or not)."""
+    return {f.name: getattr(args, f.name) for f, _ in _engine_flags()}
 
 
 def default_model() -> str:

@@ -1,11 +1,18 @@
 """Optional C++ CPU kernels, compiled on first use with torch's extension builder and cached on disk.
 
-If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, callers fall back to pure PyTorch."""
+If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, callers fall back to pure PyTorch.
+
+The module is compiled with -march=native, so it runs only on CPUs with the instruction sets of the one that built it.
+The cache folder is therefore keyed on the CPU too: a home directory shared by machines of different CPUs (NFS, a
+container image built on another host) holds one build per CPU instead of handing one CPU another's module, which
+would die with SIGILL at its first unknown instruction."""
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
+import subprocess
 import threading
 
 from stateserve import envs
@@ -18,6 +25,49 @@ _SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_attention_avx2.cpp", "
             "prefill_attention_avx2.cpp", "linear.cpp", "packed_linear.cpp", "ssm_update.cpp", "mamba1_update.cpp",
             "small_ops.cpp", "conv_update.cpp", "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp",
             "decoder_layer.cpp")
+# the features worth naming in the log: the instruction sets the kernels have paths for (x86-64, then Arm)
+_ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "avx2", "fma", "f16c", "asimd", "sve")
+
+
+def cpu_features() -> str:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo: `flags` on x86, `Features` on Arm), sorted;
+    where there is no /proc/cpuinfo, the processor's name. All flags, not a chosen few: what -march=native enables
+    follows them, and an unneeded rebuild costs minutes where a missed difference costs a crash."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return " ".join(sorted(set(value.split())))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler_version() -> str:
+    # torch's builder compiles with $CXX, else c++; a new compiler may emit other instructions for the same flags
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"  # the build itself then fails and says why
+
+
+def build_tag(csrc: str | None = None) -> tuple[str, str]:
+    """(a short hash of the CPU's features, the compiler's version, torch's version and where the sources are: the
+    name of this machine's build folder; the instruction sets among the CPU's features, for the log). The sources'
+    folder is part of it because torch's builder writes their absolute paths into its build file: two checkouts
+    sharing one folder would each find the other's build stale and recompile it, every time either started."""
+    import torch
+
+    features = cpu_features()
+    digest = hashlib.blake2b(digest_size=6)
+    csrc = csrc or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    for part in (platform.machine(), features, _compiler_version(), torch.__version__, csrc):
+        digest.update(part.encode() + b"\0")
+    present = set(features.split())
+    isa = " ".join(f for f in _ISA_FLAGS if f in present) or features
+    return digest.hexdigest(), isa
 
 
 def load():
@@ -32,8 +82,10 @@ def load():
 
                 csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
-                build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels")
+                tag, isa = build_tag()
+                build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels", tag)
                 os.makedirs(build_dir, exist_ok=True)
+                logger.info("CPU kernels for %s (%s) in %s", isa, platform.machine(), build_dir)
                 # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
                 header_paths = sorted(os.path.join(csrc, n) for n in os.listdir(csrc) if n.endswith(".h"))
                 digest = hashlib.blake2b(digest_size=8)
@@ -46,9 +98,12 @@ def load():
                 if not os.path.exists(built) or os.path.getmtime(built) < newest:
                     # the first run of a fresh checkout sits here for minutes; say why
                     logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
-                                   "once per change of the sources)", build_dir)
+                                   "once per change of the sources and per kind of CPU)", build_dir)
                 _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
-                                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSTATESERVE_SIMD_H={header}"],
+                                # the tag is a flag as well: torch's own check then rebuilds a folder that
+                                # another CPU's build reached by any other way
+                                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSTATESERVE_SIMD_H={header}",
+                                              f"-DSTATESERVE_CPU_TAG={tag}"],
                                 extra_ldflags=["-fopenmp"],
                                 verbose=False)
             except Exception as e:  # any build problem: run the PyTorch path instead

@@ -7,9 +7,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import os
-import sys
-import threading
 import time
 
 import torch
@@ -28,7 +25,8 @@ from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
 from stateserve.models.loader import init_dummy_weights, iterate_safetensors, load_weights
 from stateserve.models.registry import ModelRegistry
-from stateserve.runner import cuda_graphs, host_allocator
+from stateserve.runner import cpu_threads, cuda_graphs, host_allocator
+from stateserve.runner.peak_rss import PeakRssSampler
 from stateserve.runner.input_batch import InputBatch, build_input_batch
 from stateserve.runner.sampler import SampleResult, Sampler
 
@@ -52,44 +50,6 @@ def _available_host_memory() -> int:
     return 1 << 62  # unknown: do not cap
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _PeakRssSampler:
-    """Samples the process's resident memory from a thread while a CPU forward runs; `growth` is the peak above
-    the level before it. Short spikes between samples are missed, and memory the allocator already holds and
-    reuses is not counted (it is resident already, so it needs no new room)."""
-
-    def __init__(self, period_s: float = 0.0005) -> None:
-        self.period_s = period_s
-        self.base = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, _rss_bytes())
-
-    def __enter__(self) -> "_PeakRssSampler":
-        self.base = self.peak = _rss_bytes()
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(self.period_s)  # the forward holds the GIL between ops: let the sampler in
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.peak = max(self.peak, _rss_bytes())
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._switch_interval)
-
-    @property
-    def growth(self) -> int:
-        return max(0, self.peak - self.base)
-
-
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
@@ -103,10 +63,12 @@ class ModelRunner:
         self.graph_manager: cuda_graphs.DecodeGraphManager | None = None  # released first at shutdown
         self.activation_bytes = 0  # peak activation memory of one max_num_batched_tokens step
         self.activation_source = "none"  # measured | estimated | skipped reason, for logs and tests
+        self.threads = cpu_threads.governor() if device.type == "cpu" else None  # team size per step
 
     # ---- loading -------------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
         start = time.perf_counter()
+        self.poll_threads()
         if self.device.type == "cpu":
             host_allocator.tune()
         before = self._allocated_bytes()
@@ -125,13 +87,20 @@ class ModelRunner:
         self._apply_ssm_state_dtype()
         if self.device.type == "cpu":
             huge_pages.move_parameters(self.model)
+            self.poll_threads()
             self._prepack_linears()
         used = self._allocated_bytes() - before
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("Model loading took %.4f GiB memory and %.2f seconds", used / GiB, time.perf_counter() - start)
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
+        self.poll_threads()
         self.profile_activations()
+
+    def poll_threads(self) -> None:
+        """Fit the intra-op team to the cores other processes leave free (CPU; runner/cpu_threads.py)."""
+        if self.threads is not None:
+            self.threads.poll()
 
     def _prepack_linears(self) -> None:
         """A second copy of the linear weights in the panel kernel's layout (batched decode 15-75% faster than
@@ -236,7 +205,7 @@ class ModelRunner:
                     peak = _cpu_profiles[key]
                 else:
                     host_allocator.release_free_memory()  # so the forward cannot reuse memory RSS already counts
-                    with _PeakRssSampler() as sampler:
+                    with PeakRssSampler() as sampler:
                         self._dummy_forward(num_tokens, seq_len)
                     peak = _cpu_profiles[key] = sampler.growth
         except Exception as e:  # a model the dummy inputs do not suit must still start
@@ -358,13 +327,13 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[InputBatch, SampleResult | None]:
         if self.model is None:
             raise RuntimeError("the model runner has been shut down")
+        self.poll_threads()
         batch = build_input_batch(sched, self.device)
         meta = self.model_state.prepare_meta(batch)
         logits = self.forward_logits(batch, meta)  # [len(sample_indices), vocab] or None
-        self.model_state.after_step(batch)
-        if logits is None:
-            return batch, None
-        return batch, self.sampler(logits, [batch.requests[i] for i in batch.sample_indices])
+        result = None if logits is None else self.sampler(logits, [batch.requests[i] for i in batch.sample_indices])
+        self.model_state.after_step(batch)  # last: a step that raises anywhere publishes nothing
+        return batch, result
 
     def forward_logits(self, batch: InputBatch, meta: ForwardMeta) -> torch.Tensor | None:
         """The forward of one step (a graph replay when it qualifies) -> logits of the sampled rows, or None."""
