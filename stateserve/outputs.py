@@ -18,8 +18,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # finish_reason "error": why (the step running this sample raised; its cache and state were discarded and it
+    # keeps the tokens it had before). vLLM reports such request-level failures with finish_reason "error" too.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

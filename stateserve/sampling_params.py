@@ -1,7 +1,36 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names and meaning)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# Limits on what one request may ask for (docs/server.md lists them; the server applies the same ones).
+MAX_INT64 = 2**63 - 1  # integers that may end up in an int64 tensor (top_k, token ids)
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes a 64-bit unsigned seed
+MAX_TEMPERATURE = 100.0  # far past any useful value (OpenAI takes 0-2); keeps logits / T finite in float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits are divided or multiplied by it
+MAX_LOGPROBS = 20  # as OpenAI and vLLM's default max_logprobs
+MAX_STOP_STRINGS = 64  # OpenAI takes 4, vLLM any number; each is searched for after every token
+MAX_STOP_STRING_CHARS = 1024  # streaming holds back up to the longest one's length - 1 characters
+
+
+class SamplingParamsError(ValueError):
+    """A bad SamplingParams field; `param` is its name."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"SamplingParams: {message}")
+        self.param = param
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass: refused
+
+
+def _kind(value: object) -> str:
+    return {bool: "a boolean", type(None): "null", str: "a string", float: "a float", int: "an integer",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__) + \
+        (f" ({value!r})" if isinstance(value, (bool, float)) else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,46 +61,78 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is None:
             object.__setattr__(self, "stop", [])
+        if isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", list(self.stop))
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
 
     def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(f"SamplingParams: {msg}")
+        """Every field gets a type and a range; the error names the field (`.param`) so the server can say which.
+        Integers must be ints (not bools, not floats) and floats finite numbers (not bools, NaN or infinity)."""
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(param, f"{param} {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        def integer(param: str, lo: int, hi: int = MAX_INT64, what: str = "") -> int:
+            value = getattr(self, param)
+            if not _is_int(value):
+                bad(param, f"must be an integer, got {_kind(value)}")
+            if value < lo:
+                bad(param, what or f"must be >= {lo}, got {value}")
+            if value > hi:
+                bad(param, what or f"must be at most {hi}, got {value}")
+            return value
+
+        def number(param: str, lo: float, hi: float, lo_open: bool = False) -> float:
+            value = getattr(self, param)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                bad(param, f"must be a number, got {_kind(value)}")
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int too large for a float
+                finite = False
+            if not finite:
+                bad(param, f"must be a finite number, got {value!r:.40}")
+            if value < lo or value > hi or (lo_open and value == lo):
+                bad(param, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
+            return value
+
+        n = integer("n", 1)
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if not _is_int(self.top_k) or not (self.top_k == 0 or 1 <= self.top_k <= MAX_INT64):
+            bad("top_k", f"must be 0 or -1 (off) or a positive integer below 2^63 (values at or above the vocabulary "
+                         f"size keep every token), got {self.top_k!r}")
+        number("min_p", 0.0, 1.0)
+        if self.max_tokens is not None:
+            integer("max_tokens", 1)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if not -2 <= self.presence_penalty <= 2:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            bad(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+            bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", f"must be a non-empty string or a list of them, got {self.stop!r:.200}")
+        longest = max(map(len, self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            bad("stop", f"strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or not 0 <= t <= MAX_INT64
+                                                            for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r:.200}")
+        if self.seed is not None:
+            # child i of n is seeded with seed + i: every one of them must be a valid 64-bit seed
+            integer("seed", 0, MAX_SEED - (n - 1),
+                    what=f"must be an integer in [0, 2^64 - n] (sample i is seeded with seed + i), got {self.seed!r}"
+                         f" with n={n}")
 
     @property
     def is_greedy(self) -> bool:

@@ -13,7 +13,9 @@ from stateserve import envs
 from stateserve.cache.prefix import SnapshotIndex
 from stateserve.config import EngineConfig, ModelConfig, load_hf_config, read_eos_ids, resolve_dtype
 from stateserve.engine.cache_manager import CacheManager
+from stateserve.engine import fault_inject
 from stateserve.engine.detokenizer import Detokenizer, find_stop_string
+from stateserve.engine.errors import EngineDeadError
 from stateserve.engine.request import Request
 from stateserve.engine.scheduler import Scheduler
 from stateserve.models.registry import ModelRegistry
@@ -26,6 +28,7 @@ from stateserve.sampling_params import SamplingParams
 logger = logging.getLogger("stateserve")
 _DEFAULT_RECURRENT_MAX_LEN = 1 << 16
 _MAX_SNAPSHOT_SLOTS = 1024
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
@@ -68,9 +71,6 @@ def load_tokenizer(cfg: EngineConfig) -> Any | None:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         envs.enable_envs_cache()
-        logging.getLogger("stateserve").setLevel(envs.STATESERVE_LOG_LEVEL)
-        if envs.STATESERVE_NUM_THREADS > 0:
-            torch.set_num_threads(envs.STATESERVE_NUM_THREADS)
         self.config = config
         self.device = config.resolved_device()
         self.model_config = build_model_config(config, self.device)
@@ -88,6 +88,8 @@ class LLMEngine:
 
             config = dataclasses.replace(config, max_num_seqs=1, enable_prefix_caching=False)
             self.config = config
+        if fault_inject.requested() and not config.enforce_eager:  # a CUDA graph replay runs no Python hook
+            config = self.config = dataclasses.replace(config, enforce_eager=True)
         runner_cls = ReferenceRunner if self.reference else ModelRunner
         self.runner = runner_cls(config, self.model_config, self.device)
         self.runner.load_model(show_progress)
@@ -109,6 +111,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, max_num_seqs=plan.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    chunk_size_fn=self.model_state.chunk_size)
+        self.fault_injector = fault_inject.from_env(self.runner.model)  # None unless STATESERVE_FAULT_INJECT
+        self.max_step_failures = envs.STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES
+        if self.max_step_failures < 1:
+            raise ValueError("environment variable STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES must be at least 1, "
+                             f"got {self.max_step_failures}")
+        self._consecutive_failures = 0
+        self._death: tuple[str, BaseException] | None = None  # set when too many steps failed in a row
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[Request]] = {}
         self._counter = itertools.count()
@@ -148,13 +157,19 @@ class LLMEngine:
                              "{'prompt_token_ids': [...]}")
         return self.tokenizer(prompt).input_ids
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, encoder_input: Any = None) -> None:
-        """encoder_input: for encoder-decoder models, from model_state.prepare_prompt; without it the prompt
-        ids are the encoder input and decoding starts from the decoder start token."""
+    def prepare_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        prompt: str | None = None, encoder_input: Any = None,
+                        fairness_key: str | None = None) -> list[Request]:
+        """Validate one submission and build its sequences (one per sample) without queueing anything, so a
+        rejected submission leaves no trace. encoder_input: for encoder-decoder models, from
+        model_state.prepare_prompt; without it the prompt ids are the encoder input and decoding starts from the
+        decoder start token. fairness_key: admission is fair between keys (engine/fair_queue.py); default: the
+        request id."""
         self._check_open()
         if not self.model_state.supports_generate:
             raise ValueError(f"{self.model_config.architecture} does not generate text; use LLM.embed")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if getattr(self.model_state, "is_encoder_decoder", False):
@@ -165,22 +180,44 @@ class LLMEngine:
             raise ValueError(f"{self.model_config.architecture} has no encoder: encoder inputs are only for "
                              "encoder-decoder models")
         self.validate_prompt(prompt_token_ids)
+        lo, hi = _SEED_RANGE
+        if params.seed is not None and not lo <= params.seed <= params.seed + params.n - 1 <= hi:
+            raise ValueError(f"seed={params.seed} with n={params.n}: sample i is seeded with seed + i, which must "
+                             f"lie in [-2**63, 2**64 - 1]")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         params = params.with_stop_ids(stop_ids)
         children = []
         for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if child_id in self.requests:
+                raise ValueError(f"request id {child_id!r} is already in use")
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, request_id, gen)
+            req = Request(child_id, list(prompt_token_ids), params, next(self._counter), prompt, request_id, gen,
+                          fairness_key or request_id)
             if encoder_input is not None:  # prefix-cache keys must differ per encoder input
                 req.encoder_input, req.cache_extra = encoder_input, encoder_input.cache_key
-            self.requests[child_id] = req
             children.append(req)
-            self.stats["prompt_tokens"] += len(prompt_token_ids)
+        return children
+
+    def add_prepared(self, children: list[Request]) -> None:
+        """Queue the sequences `prepare_request` built (all of them, or none when the id is taken by now)."""
+        self._check_open()
+        group_id = children[0].group_id
+        if group_id in self.groups or any(r.request_id in self.requests for r in children):
+            raise ValueError(f"request id {group_id!r} is already in use")
+        self.groups[group_id] = children
+        for req in children:
+            self.requests[req.request_id] = req
+            self.stats["prompt_tokens"] += req.num_prompt_tokens
             self.scheduler.add(req)
-        self.groups[request_id] = children
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, encoder_input: Any = None, fairness_key: str | None = None) -> None:
+        """Validate the whole submission (every sample), then queue all of it: on an error nothing is added."""
+        self.add_prepared(self.prepare_request(request_id, prompt_token_ids, params, prompt, encoder_input,
+                                               fairness_key))
 
     def abort_request(self, request_id: str) -> None:
         for req in self.groups.get(request_id, []):
@@ -193,7 +230,9 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[str]:
-        """Run one scheduler step; returns ids of request groups that finished in it."""
+        """Run one scheduler step; returns ids of request groups that finished in it. A step whose forward or
+        sampling raises fails the requests in it (finish_reason "error") and the engine goes on; the
+        STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES-th failed step in a row raises EngineDeadError instead."""
         self._check_open()
         self.last_updated = []
         sched = self.scheduler.schedule()
@@ -204,16 +243,19 @@ class LLMEngine:
             self.model_state.add_request(req)
         if not sched.requests:
             if self.scheduler.waiting and not self.scheduler.running:
-                req = self.scheduler.waiting[0]  # cannot fit even alone: end it rather than spin
+                req = self.scheduler.waiting.peek()  # cannot fit even alone: end it rather than spin
                 req.finish_reason = "length"
                 self._finish(req)
                 logger.warning("request %s cannot fit in the cache and was stopped", req.request_id)
             return self._collect_finished()
         try:
             batch, result = self.runner.execute(sched)
-        except BaseException:
-            self.model_state.on_step_failed()
-            raise
+        except BaseException as e:
+            self._fail_step(sched.requests, e)  # raises EngineDeadError when too many failed in a row
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the step's requests failed, go on up
+                raise
+            return self._collect_finished()
+        self._consecutive_failures = 0
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
             self.cache.publish_blocks(req)
@@ -222,6 +264,37 @@ class LLMEngine:
         if result is not None:
             self._apply_samples(batch, result)
         return self._collect_finished()
+
+    def _fail_step(self, reqs: list[Request], exc: BaseException) -> None:
+        """The step over `reqs` raised part-way. Its forward may have advanced their recurrent states in place and
+        written KV rows and snapshot slots, but it only ever writes what these requests own: their running state
+        slots (zeroed when next handed out), their not yet published KV blocks (freed unpublished, so never
+        matched; published blocks are never written) and the snapshot slots reserved for this step (dropped by
+        on_step_failed, never published). Ending exactly these requests therefore leaves nothing half-written
+        that anyone could read, and every other request goes on as if the step had not run."""
+        try:
+            self.model_state.on_step_failed()
+        except Exception:
+            logger.exception("on_step_failed raised; going on with the failed step's clean-up")
+        error = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        updated = dict.fromkeys(self.last_updated)
+        for req in reqs:
+            if not req.is_finished:
+                req.finish_reason, req.error = "error", error
+                self._finish(req)
+                updated[req.group_id] = None
+        self.last_updated = list(updated)
+        if not isinstance(exc, Exception):
+            return
+        self._consecutive_failures += 1
+        logger.error("a step failed; its %d request(s) finished with finish_reason 'error' (%d failed step(s) in "
+                     "a row, the engine stops at %d)", len(reqs), self._consecutive_failures,
+                     self.max_step_failures, exc_info=exc)
+        if self._consecutive_failures >= self.max_step_failures:
+            self._death = (f"the engine stopped after {self._consecutive_failures} failed steps in a row "
+                           f"(STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES={self.max_step_failures}); last error: "
+                           f"{type(exc).__name__}: {exc}", exc)
+            self._check_open()
 
     def _apply_samples(self, batch: InputBatch, result: SampleResult) -> None:
         updated = dict.fromkeys(self.last_updated)
@@ -276,7 +349,8 @@ class LLMEngine:
         reqs = self.groups[group_id]
         outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
                                  cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                                 error=r.error)
                 for i, r in enumerate(reqs)]
         first = reqs[0]
         return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
@@ -296,6 +370,8 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this engine has been shut down; create a new LLM")
+        if self._death is not None:
+            raise EngineDeadError(self._death[0]) from self._death[1]
 
     def shutdown(self) -> None:
         if self._closed:

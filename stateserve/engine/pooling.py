@@ -73,9 +73,6 @@ class PoolingRequest:
 class PoolingEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         envs.enable_envs_cache()
-        logger.setLevel(envs.STATESERVE_LOG_LEVEL)
-        if envs.STATESERVE_NUM_THREADS > 0:
-            torch.set_num_threads(envs.STATESERVE_NUM_THREADS)
         self.config = config
         self.device = config.resolved_device()
         self.model_config = build_model_config(config, self.device)
@@ -214,6 +211,7 @@ class PoolingEngine:
         for req in requests:
             self.model_state.add_request(req)
         try:
+            self.runner.poll_threads()
             batch = build_input_batch(sched, self.device)
             meta = self.model_state.prepare_meta(batch)
             hidden = self.runner.model(batch.input_ids, batch.positions, meta)  # [T, hidden]

@@ -26,6 +26,7 @@ class Request:
     prompt: str | None = None
     group_id: str = ""  # the user's request id; differs from request_id only when n > 1
     generator: torch.Generator | None = None  # only for requests with their own seed
+    fairness_key: str = ""  # admission is fair between keys (engine/fair_queue.py); default: the group id
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -34,8 +35,9 @@ class Request:
     state_slot: int | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
+    error: str | None = None  # why it failed, when finish_reason is "error"
     output_text: str = ""
     num_preemptions: int = 0
     # prefix cache bookkeeping (owned by CacheManager)
@@ -49,6 +51,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
+        self.fairness_key = self.fairness_key or self.group_id
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []

@@ -1,14 +1,16 @@
 """Continuous batching with chunked prefill under a token budget, and preemption by recompute.
 
-Each step: running requests first (decodes and unfinished prefills, in arrival order), then waiting
-ones while the budget, max_num_seqs and the caches allow. When blocks run out for a running request,
-the most recently arrived running request is preempted: its cache is freed and it is recomputed later."""
+Each step: running requests first (decodes and unfinished prefills, in admission order), then waiting
+ones while the budget, max_num_seqs and the caches allow, picked fairly between shares of requests
+(engine/fair_queue.py: preempted ones first, then the share with the fewest running sequences). When blocks
+run out for a running request, the most recently admitted running request is preempted: its cache is freed
+and it is recomputed later."""
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from stateserve.engine.cache_manager import CacheManager
+from stateserve.engine.fair_queue import FairWaitingQueue
 from stateserve.engine.request import Request, RequestStatus
 
 
@@ -34,14 +36,14 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairWaitingQueue()
         self.running: list[Request] = []
         # model states may restrict chunk ends (e.g. to block boundaries); default: no restriction
         self.chunk_size_fn = chunk_size_fn or (lambda req, n: n)
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,13 +73,13 @@ class Scheduler:
                 budget -= n
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             self.cache.match_prefix(req)
             n = self._num_new(req, budget)
             if n <= 0 or not self.cache.can_allocate(req, n):
                 self.cache.unmatch(req)
                 break
-            self.waiting.popleft()
+            self.waiting.started(req)
             self.cache.allocate(req, n)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -91,13 +93,14 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished or aborted) wherever it is and free its cache."""
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING and req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
+            self.waiting.stopped(req)
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.cache.free(req)
         req.status = RequestStatus.FINISHED

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stateserve.engine.llm_engine import LLMEngine
+from stateserve.entrypoints.submission import add_all
 from stateserve.outputs import Logprob
 from stateserve.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ class SeqUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None  # the engine's final text (stop strings cut), only once finished
+    error: str | None = None  # why, when finish_reason is "error" (the engine step running it failed)
 
 
 @dataclass
@@ -263,7 +265,7 @@ class AsyncEngine:
         group_ids, prompts, params, stream, accepted = payload
         engine = self.engine
         try:
-            for _, ids in prompts:
+            for _, ids in prompts:  # a bad prompt is a 400 even when the queue is full
                 engine.validate_prompt(ids)
             # Sequences that will wait for a batch slot; ones that free slots take at the next step do not.
             sched = engine.scheduler
@@ -273,19 +275,12 @@ class AsyncEngine:
             if self.max_waiting_requests is not None and new_waiting > self.max_waiting_requests:
                 raise EngineOverloaded(f"the waiting queue is full ({waiting} waiting, limit "
                                        f"{self.max_waiting_requests}); retry later")
-            added = []
-            try:
-                for gid, (text, ids) in zip(group_ids, prompts):
-                    engine.add_request(gid, ids, params, prompt=text)
-                    added.append(gid)
-                    self._groups[gid] = _Group(stream, len(added) - 1, [0] * params.n, [False] * params.n)
-            except BaseException:
-                for gid in added:
-                    self._drop(gid)
-                raise
-        except (ValueError, TypeError, EngineOverloaded) as e:
+            add_all(engine, group_ids, prompts, params)  # all prompts or none
+        except Exception as e:  # a request that cannot be added fails alone; the engine keeps serving
             self._post(_resolve, accepted, e)
             return
+        for i, gid in enumerate(group_ids):
+            self._groups[gid] = _Group(stream, i, [0] * params.n, [False] * params.n)
         self._post(_resolve, accepted, None)
 
     def _do_abort(self, group_ids: list[str]) -> None:
@@ -327,6 +322,7 @@ class AsyncEngine:
                     group.done[i] = True
                     upd.finish_reason, upd.stop_reason, upd.text = req.finish_reason, req.stop_reason, \
                         req.output_text
+                    upd.error = getattr(req, "error", None)
                 seqs.append(upd)
             finished = all(group.done)
             first = reqs[0]

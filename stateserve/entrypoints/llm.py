@@ -58,6 +58,10 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Every prompt is validated before any is added (a bad one raises
+        and adds nothing). A sample whose engine step fails comes back with finish_reason "error" and `error` set
+        while the others run to the end (vLLM's finish_reason for request-level failures); if the engine dies
+        (EngineDeadError, after several failed steps in a row) the call aborts what is left and raises it."""
         if self.runner_type == "pooling":
             raise ValueError(f"{self.llm_engine.model_config.architecture} is an embedding model with no LM head: "
                              "it cannot generate text; use LLM.embed")
@@ -72,17 +76,24 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        # Validate everything before adding anything, so a bad prompt leaves the engine untouched.
-        tokenized = [self._to_inputs(p) for p in prompts]
-        for (_, ids, _), p in zip(tokenized, params):
+        # Validate and build every request before adding any, so a bad prompt or SamplingParams leaves the engine
+        # untouched; should adding still fail half-way, what was added is taken out again.
+        key = uuid.uuid4().hex[:12]  # one fairness key for the whole call (engine/fair_queue.py)
+        prepared = []
+        for prompt, p in zip(prompts, params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            engine.validate_prompt(ids)
+            text, ids, encoder_input = self._to_inputs(prompt)
+            prepared.append(engine.prepare_request(uuid.uuid4().hex[:12], ids, p, prompt=text,
+                                                   encoder_input=encoder_input, fairness_key=key))
         ids_in_order = []
-        for (text, ids, encoder_input), p in zip(tokenized, params):
-            rid = uuid.uuid4().hex[:12]
-            engine.add_request(rid, ids, p, prompt=text, encoder_input=encoder_input)
-            ids_in_order.append(rid)
+        try:
+            for children in prepared:
+                engine.add_prepared(children)
+                ids_in_order.append(children[0].group_id)
+        except BaseException:
+            _discard(engine, ids_in_order)
+            raise
         return self._run(ids_in_order, use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
@@ -115,10 +126,8 @@ class LLM:
                         bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, output: "
                                             f"{num_out / elapsed:.1f} toks/s")
                         bar.update(1)
-        except BaseException:
-            for gid in wanted - results.keys():  # interrupted: do not leave half-run requests holding caches
-                engine.abort_request(gid)
-                engine.groups.pop(gid, None)
+        except BaseException:  # interrupted, or the engine died: leave no half-run request holding caches
+            _discard(engine, [gid for gid in ids if gid not in results])
             raise
         finally:
             bar.close()
@@ -133,6 +142,14 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _discard(engine: LLMEngine, group_ids: list[str]) -> None:
+    """Abort these request groups and drop their records."""
+    for gid in group_ids:
+        if gid in engine.groups:
+            engine.abort_request(gid)
+            engine.pop_output(gid)
 
 
 def _shutdown_ref(ref: "weakref.ref[LLM]") -> None:

@@ -6,17 +6,25 @@ accepts but this engine cannot honour are declared so they can be rejected with 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+
+def _List(item: Any) -> Any:
+    """list[item] that stops at its first bad item: a hostile list of a million bad items costs one error, not a
+    million (pydantic otherwise collects them all, seconds of the event loop)."""
+    return Annotated[list[item], Field(fail_fast=True)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No NaN/Infinity in any float (the server's JSON parser refuses those literals already), no coercion of
+    # booleans, strings or floats into numbers in the fields declared Strict*.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -47,34 +55,76 @@ class ModelList(BaseModel):
 
 
 # ---- shared request parts ----------------------------------------------------------------------
+def _kind(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", int: "an int", float: "a number", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def check_text_or_ids(value: Any, name: str, allow_empty_string: bool) -> Any:
+    """The whole validation of a prompt-like field (a "plain" validator: pydantic adds none of its own): a string,
+    a list of strings, a list of token ids or a list of token-id lists, checked by hand so a bad one
+    gets one message that names the bad item (pydantic's union errors list every member); strict: `true`, `1.0`
+    or `"5"` are not token ids. Lists and token-id lists must not be empty."""
+    def is_id(x: Any) -> bool:
+        return type(x) is int  # not bool
+
+    if isinstance(value, str):
+        if not value and not allow_empty_string:
+            raise ValueError(f"{name} must not be an empty string")
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a string, a list of strings, a list of token ids or a list of "
+                         f"token-id lists, got {_kind(value)}")
+    if not value:
+        raise ValueError(f"{name} must not be an empty list")
+    first = value[0]
+    shape = int if is_id(first) else str if isinstance(first, str) else list if isinstance(first, list) else None
+    if shape is int and set(map(type, value)) == {int}:  # the common case of a long id list, without a Python loop
+        return value
+    for i, item in enumerate(value):
+        if shape is int and is_id(item):
+            continue
+        if shape in (None, int) or not isinstance(item, shape):
+            raise ValueError(f"a list {name} holds only strings, only token ids (ints) or only lists of token "
+                             f"ids; {name}[{i}] is {_kind(item)}")
+        if not item and not (shape is str and allow_empty_string):
+            raise ValueError(f"{name}[{i}] must not be empty")
+        if shape is list and set(map(type, item)) != {int}:
+            bad = next(t for t in item if not is_id(t))
+            raise ValueError(f"{name}[{i}] holds {_kind(bad)}, not a token id (an int)")
+    return value
+
+
 class StreamOptions(_Strict):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's name; accepted, usage is sent at the end only
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's name; accepted, usage is sent at the end only
 
 
 class _SamplingFields(_Strict):
-    """What completions and chat share; names and defaults as OpenAI's, extras as vLLM's."""
+    """What completions and chat share; names and defaults as OpenAI's, extras as vLLM's. Numbers, booleans and
+    strings are strict (no `true` for 1, no `"1"` for 1, no 1.0 for an integer; an integer is a valid float), and
+    `null` in any of these fields means its default. Ranges are SamplingParams' (docs/server.md)."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    stream: bool | None = False
+    model: StrictStr | None = None
+    n: StrictInt | None = None  # null: 1
+    temperature: StrictFloat | None = None  # null: 1.0
+    top_p: StrictFloat | None = None  # null: 1.0
+    seed: StrictInt | None = None
+    stop: StrictStr | _List(StrictStr) | None = None
+    presence_penalty: StrictFloat | None = None  # null: 0.0
+    frequency_penalty: StrictFloat | None = None  # null: 0.0
+    stream: StrictBool | None = None  # null: false
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None
+    logit_bias: dict[str, Any] | None = None  # refused when set (unsupported_fields)
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    top_k: StrictInt | None = None  # null: 0 (off)
+    min_p: StrictFloat | None = None  # null: 0.0
+    repetition_penalty: StrictFloat | None = None  # null: 1.0
+    min_tokens: StrictInt | None = None  # null: 0
+    ignore_eos: StrictBool | None = None  # null: false
+    stop_token_ids: _List(StrictInt) | None = None
+    skip_special_tokens: StrictBool | None = None  # null: true
 
     def unsupported_fields(self) -> list[str]:
         """Declared-but-unsupported fields that the client actually set to something non-trivial."""
@@ -84,12 +134,17 @@ class _SamplingFields(_Strict):
 
 # ---- completions -------------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # an explicit null: as many as fit in the context (as vLLM)
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None  # null: false
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return check_text_or_ids(value, "prompt", allow_empty_string=True)
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
@@ -136,25 +191,36 @@ class CompletionResponse(BaseModel):
 
 
 # ---- chat --------------------------------------------------------------------------------------
-class ContentPart(_Open):
-    type: str
-    text: str | None = None
-
-
 class ChatMessage(_Open):
-    """system / developer / user / assistant; tool messages and function calls are rejected later."""
+    """system / developer / user / assistant; tool messages and function calls are rejected later. `content` is
+    a string or a list of content parts, objects with a string `type` (only "text" is served) and `text`."""
 
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        """By hand (a "plain" validator), so a long list of parts costs no model per part."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"content must be a string or a list of content parts, got {_kind(value)}")
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"content[{i}] must be an object with a string `type`")
+            if not isinstance(part.get("text", ""), (str, type(None))):
+                raise ValueError(f"content[{i}].text must be a string, got {_kind(part['text'])}")
+        return value
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    messages: _List(ChatMessage)
+    max_tokens: StrictInt | None = None  # null (the default): as many as fit in the context
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None  # null: false
+    top_logprobs: StrictInt | None = None
     # OpenAI fields that do not change sampling here
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -163,17 +229,17 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # OpenAI fields this engine cannot honour: a 400 when set
-    tools: list[dict[str, Any]] | None = None
+    tools: _List(dict[str, Any]) | None = None
     tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: _List(dict[str, Any]) | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    modalities: _List(StrictStr) | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     # vLLM extras for the template
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool | None = None  # null: true
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:
@@ -258,8 +324,36 @@ class ChatCompletionChunk(BaseModel):
 
 # ---- embeddings --------------------------------------------------------------------------------
 class EmbeddingRequest(_Strict):
+    """`input` is checked by hand, so a bad one gets one message that names the bad item (pydantic's union
+    errors list every member); its types are strict: `true`, `1.0` or `"5"` are not token ids."""
+
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
+    # vLLM extra: keep only each input's last k tokens (-1: the encoder's limit) instead of refusing longer ones
+    truncate_prompt_tokens: StrictInt | None = None
+
+    @field_validator("input", mode="plain")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        return check_text_or_ids(value, "input", allow_empty_string=False)
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

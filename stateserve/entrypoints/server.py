@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server: `stateserve serve MODEL` (FastAPI + uvicorn).
 
 GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings,
-GET /metrics. The engine runs in its own thread (async_engine.py); this module wires routes, errors in
+GET /metrics. An embedding model (an encoder-only architecture, as LLM decides) runs on the pooling engine:
+it answers /v1/embeddings, and the text endpoints 400. The engine runs in its own thread (async_engine.py);
+this module wires routes, errors in
 OpenAI's JSON shape, and a graceful shutdown: on SIGINT/SIGTERM new requests are refused, in-flight ones
 get --shutdown-timeout seconds to finish, then are aborted, and the caches are freed."""
 from __future__ import annotations
@@ -21,11 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead, build_off_main_thread
+from stateserve.entrypoints.async_engine import AsyncEngine, build_off_main_thread
 from stateserve.entrypoints.metrics import ServerMetrics
 from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                     ModelCard, ModelList)
-from stateserve.entrypoints.serving import APIError, OpenAIServing
+from stateserve.entrypoints.pooling_loop import PoolingLoop
+from stateserve.entrypoints.request_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware, StrictJSONRoute
+from stateserve.entrypoints.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST, APIError, OpenAIServing
+from stateserve.entrypoints.serving_embedding import EmbeddingServing
 
 logger = logging.getLogger("stateserve.server")
 # The server's default step budget is smaller than the offline engine's (2048), as vLLM's is per usage context:
@@ -63,27 +68,36 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return APIError(400, "We could not parse the JSON body of your request. The body must be valid JSON.")
     if kind == "missing":
+        if param is None:
+            return APIError(400, "The request has no body: send a JSON object.")
         return APIError(400, f"Missing required parameter: '{param}'.", param=param)
-    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}" if param
-                    else str(first.get("msg", "invalid request")), param=param)
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")  # a validator's own message
+    return APIError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: list[str], *,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops (freeing caches) with it."""
     metrics = ServerMetrics(lambda: engine.snapshot)
-    serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template)
+    serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template,
+                            max_sequences_per_request=max_sequences_per_request)
+    embedding_serving = EmbeddingServing(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         serving.draining = True
+        serving.inputs.close()
         state = await engine.shutdown()
         logger.info("shutdown complete: caches %s (%s)",
                     "free" if state and state.get("idle_and_full") else "NOT free", state)
 
     app = FastAPI(title="stateserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = StrictJSONRoute  # bodies parsed by request_guard.parse_json_body
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes,
+                       on_reject=lambda: metrics.rejected.labels(status="413").inc())
     app.state.serving, app.state.engine, app.state.metrics = serving, engine, metrics
 
     @app.exception_handler(APIError)
@@ -130,26 +144,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
-        model = serving.check_model(body.model)
-        if not callable(getattr(engine.engine, "embed", None)):
-            raise APIError(400, f"The model `{model}` does not support embeddings.", param="model",
-                           code="model_not_supported")
-        inputs = body.input if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int) \
-            else [body.input]
-        prompts = [serving._tokenize(x) if isinstance(x, str) else list(x) for x in inputs]
-        try:
-            results = await engine.call(lambda e: e.embed(prompts))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param="input") from e
-        except EngineDead as e:
-            raise APIError(503, str(e), "server_error", code="engine_dead") from e
-        data = []
-        for i, r in enumerate(results):
-            vec = getattr(getattr(r, "outputs", None), "embedding", r)
-            data.append({"object": "embedding", "index": i, "embedding": [float(v) for v in vec]})
-        n = sum(len(p) for p in prompts)
-        return JSONResponse({"object": "list", "data": data, "model": model,
-                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+        return await embedding_serving.create(body)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -196,18 +191,30 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def build_engine(config: Any, show_progress: bool = True) -> Any:
+    """The engine AsyncEngine drives: for an embedding architecture the pooling engine (the choice LLM makes:
+    select_runner, runner="auto" picks by the model class) behind a PoolingLoop, else the generation engine."""
+    from stateserve.engine.llm_engine import LLMEngine
+    from stateserve.engine.pooling import PoolingEngine, select_runner
+
+    if select_runner(config) == "pooling":
+        return PoolingLoop(PoolingEngine(config, show_progress=show_progress))
+    return LLMEngine(config, show_progress=show_progress)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from stateserve import envs
     from stateserve.config import EngineConfig
-    from stateserve.engine.llm_engine import LLMEngine, load_tokenizer
+    from stateserve.engine.llm_engine import load_tokenizer
     from stateserve.entrypoints.cli import default_model, engine_kwargs
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("stateserve.server").setLevel(logging.INFO)
     # SIGTERM behaves like Ctrl+C: uvicorn drains on it, and re-raises it after its own handler is gone
     signal.signal(signal.SIGTERM, _interrupt)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    for flag in ("max_request_body_bytes", "max_sequences_per_request"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     model = args.model or default_model()
     chat_template = None
     if args.chat_template:
@@ -218,12 +225,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))  # bad arguments raise here
         llm_engine = build_off_main_thread(
-            lambda: LLMEngine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM))
+            lambda: build_engine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM))
     except KeyboardInterrupt:
         return 130
     engine = AsyncEngine(llm_engine, args.max_waiting_requests)
     app = build_app(engine, load_tokenizer(llm_engine.config), args.served_model_name or [model],
-                    chat_template=chat_template)
+                    chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
+                    max_sequences_per_request=args.max_sequences_per_request)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=int(
         args.shutdown_timeout + 10), timeout_keep_alive=5)
     server = GracefulServer(config, app, args.shutdown_timeout)
@@ -253,6 +261,11 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 (Retry-After) when more sequences than this would be waiting")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="answer 413 to a request body larger than this (refused before reading when its "
+                        "Content-Length says so, cut off when a chunked body passes it)")
+    p.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="answer 400 to a request of more than this many prompts x n sequences")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--uvicorn-log-level", default="info",

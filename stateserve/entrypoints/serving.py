@@ -14,30 +14,22 @@ from pydantic import BaseModel
 from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead, EngineOverloaded, GroupUpdate, RequestStream
 from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs
 from stateserve.entrypoints.metrics import RequestTimer, ServerMetrics
+from stateserve.entrypoints.errors import APIError
 from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatResponseMessage, CompletionChoice, CompletionRequest,
-                                                    CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                                    PromptTokensDetails, Usage)
-from stateserve.sampling_params import SamplingParams
+                                                    CompletionResponse, DeltaMessage, PromptTokensDetails, Usage)
+from stateserve.entrypoints.pooling_loop import is_pooling
+from stateserve.entrypoints.prompt_input import Prompts, PromptInput, count_prompts
+from stateserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
-Prompts = list[tuple[str | None, list[int]]]
-_MAX_LOGPROBS = 20
 _MAX_N = 128  # OpenAI's limit
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n of one request (--max-sequences-per-request)
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's JSON shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
+def _default(value: Any, default: Any) -> Any:
+    """`null` in a request means the field's default."""
+    return default if value is None else value
 
 
 def _sse(obj: BaseModel | dict) -> str:
@@ -70,10 +62,17 @@ async def _wait_disconnect(raw: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any | None, model_names: list[str],
-                 metrics: ServerMetrics | None = None, chat_template: str | None = None) -> None:
+                 metrics: ServerMetrics | None = None, chat_template: str | None = None,
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST) -> None:
+        if max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be >= 1, got {max_sequences_per_request}")
         self.engine, self.tokenizer, self.model_names = engine, tokenizer, model_names
         self.metrics, self.chat_template = metrics, chat_template
         self.max_model_len = engine.max_model_len
+        self.max_sequences_per_request = max_sequences_per_request
+        model_config = getattr(engine.engine, "model_config", None)
+        self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
+        self.inputs = PromptInput(tokenizer, self.max_model_len, self.vocab_size, chat_template)
         self.draining = False  # set on shutdown: new work gets 503
 
     # ---- validation ------------------------------------------------------------------------------
@@ -82,25 +81,13 @@ class OpenAIServing:
             return self.model_names[0]
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    def check_generates(self, model: str, api: str) -> None:
+        """An embedding model has no LM head: text endpoints answer 400 rather than reach the engine."""
+        if is_pooling(self.engine.engine):
+            raise APIError(400, f"The model `{model}` is an embedding model and does not support the {api} API; "
+                                "use /v1/embeddings.", param="model", code="model_not_supported")
 
-    def _completion_prompts(self, prompt: Any) -> Prompts:
-        if isinstance(prompt, str):
-            return [(prompt, self._tokenize(prompt))]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if all(isinstance(p, str) for p in prompt):
-            return [(p, self._tokenize(p)) for p in prompt]
-        if all(isinstance(t, int) for t in prompt):
-            return [(None, list(prompt))]
-        return [(None, list(p)) for p in prompt]
-
-    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompts:
-        if self.tokenizer is None:
-            raise APIError(400, "this server has no tokenizer, so it cannot apply a chat template", param="messages")
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompts:
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         messages = []
@@ -113,23 +100,14 @@ class OpenAIServing:
                 raise APIError(400, "tool and function calls are not supported", param=f"messages.{i}")
             content = m.content
             if isinstance(content, list):
-                if any(part.type != "text" for part in content):
+                if any(part["type"] != "text" for part in content):
                     raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                content = "\n".join(part.text or "" for part in content)
+                content = "\n".join(part.get("text") or "" for part in content)
             msg = {"role": role, "content": content or ""}
             if m.name:
                 msg["name"] = m.name
             messages.append(msg)
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; start the server with "
-                                "--chat-template FILE, or use /v1/completions", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
-        except Exception as e:  # a template error is the request's doing (roles, kwargs), not the server's
-            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
-        return [(text, self._tokenize(text, add_special_tokens=False))]
+        return await self.inputs.chat(messages, _default(req.add_generation_prompt, True), req.chat_template_kwargs)
 
     def _check_context(self, prompts: Prompts, max_tokens: int | None, explicit: bool, what: str) -> None:
         limit = self.max_model_len
@@ -144,25 +122,46 @@ class OpenAIServing:
                                     f"{max_tokens} for the completion). Please reduce the length of the {what} "
                                     f"or completion.", param="max_tokens", code="context_length_exceeded")
 
-    def _sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None, num_prompts: int,
+                         names: dict[str, str] | None = None) -> SamplingParams:
+        """Every field checked (types by the request model, ranges by SamplingParams) before anything is queued;
+        `names` maps a SamplingParams field to the request field that set it, for the error's `param`."""
+        names = names or {}
         bad = req.unsupported_fields()
         if bad:
             raise APIError(400, f"`{bad[0]}` is not supported by this server", param=bad[0])
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if req.n > _MAX_N:
-            raise APIError(400, f"n must be at most {_MAX_N}, got {req.n}", param="n")
-        if logprobs is not None and logprobs > _MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be at most {_MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+        n = _default(req.n, 1)
+        if not 1 <= n <= _MAX_N:
+            raise APIError(400, f"n must be in [1, {_MAX_N}], got {n}", param="n")
+        if num_prompts * n > self.max_sequences_per_request:
+            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+                                f"sequences, more than this server's limit of {self.max_sequences_per_request} per "
+                                "request (--max-sequences-per-request)", param="n" if n > 1 else "prompt")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            param = names.get("logprobs", "logprobs")
+            raise APIError(400, f"{param} must be at most {MAX_LOGPROBS}, got {logprobs}", param=param)
+        top_k = _default(req.top_k, 0)
+        if self.vocab_size is not None and isinstance(top_k, int) and top_k > self.vocab_size:
+            top_k = self.vocab_size  # the same as no top-k; keeps absurd values away from the sampler
+        if req.stop_token_ids:
+            self.inputs.check_ids(req.stop_token_ids, "stop_token_ids")
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                skip_special_tokens=req.skip_special_tokens)
+                n=n, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0), top_k=top_k,
+                min_p=_default(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens,
+                min_tokens=_default(req.min_tokens, 0), stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=_default(req.ignore_eos, False), logprobs=logprobs,
+                presence_penalty=_default(req.presence_penalty, 0.0),
+                frequency_penalty=_default(req.frequency_penalty, 0.0),
+                repetition_penalty=_default(req.repetition_penalty, 1.0),
+                skip_special_tokens=_default(req.skip_special_tokens, True))
+        except SamplingParamsError as e:
+            param = names.get(e.param, e.param)
+            msg = str(e).removeprefix("SamplingParams: ")
+            raise APIError(400, param + msg.removeprefix(e.param) if msg.startswith(e.param) else msg,
+                           param=param) from e
         except (ValueError, TypeError) as e:
             msg = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, msg, param=msg.split(" ", 1)[0]) from e
@@ -184,10 +183,11 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         model = self.check_model(req.model)
+        self.check_generates(model, "Completions")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        prompts = self._completion_prompts(req.prompt)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, count_prompts(req.prompt))
+        prompts = await self.inputs.completion(req.prompt)
         self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         echo = [self._echo_text(t, ids) if req.echo else "" for t, ids in prompts]
         choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop, echo[p])
@@ -213,11 +213,14 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         model = self.check_model(req.model)
+        self.check_generates(model, "Chat Completions")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        prompts = self._chat_prompt(req)
+        names = {"logprobs": "top_logprobs",
+                 "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, names)
+        prompts = await self._chat_prompt(req)
         self._check_context(prompts, max_tokens, True, "messages")
         choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
         stream = await self._submit(prompts, params)
@@ -236,15 +239,14 @@ class OpenAIServing:
                                                    usage=ctx.usage()).model_dump())
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
-        if text is not None:
-            return text
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        return text if text is not None else self.inputs.decode(ids)
 
     # ---- driving a request -----------------------------------------------------------------------
     async def _collect(self, stream: RequestStream, ctx: "_Context", raw: Request) -> bool:
         """Gather a non-streamed request; True if the client left first (its request is then aborted)."""
         async def consume() -> None:
             async for update in stream:
+                _raise_if_failed(update)
                 ctx.apply(update, streaming=False)
 
         consumer = asyncio.ensure_future(consume())
@@ -271,6 +273,11 @@ class OpenAIServing:
                     yield _sse(ctx.chat_chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                           content=""))))
             async for update in stream:
+                try:
+                    _raise_if_failed(update)
+                except APIError as e:
+                    yield _sse(e.body())
+                    return
                 for index, delta, seq in ctx.apply(update, streaming=True):
                     ch = ctx.choices[index]
                     k = len(seq.new_token_ids)
@@ -297,6 +304,15 @@ class OpenAIServing:
             yield _sse(APIError(503, str(e), "server_error", code="engine_dead").body())
         finally:
             stream.abort()
+
+
+def _raise_if_failed(update: GroupUpdate) -> None:
+    """A sample that the engine ended with finish_reason "error" (the step running it raised; the engine failed
+    only that step's requests and serves on) fails its HTTP request with a 500 that says so."""
+    for seq in update.seqs:
+        if seq.finish_reason == "error":
+            raise APIError(500, seq.error or "the engine step running this request failed", "server_error",
+                           code="engine_step_failed")
 
 
 class _Context:

@@ -53,7 +53,8 @@ class ModelState(ABC):
         """Receive the engine's CacheManager once caches exist (default: not needed)."""
 
     def on_step_failed(self) -> None:
-        """The forward raised: forget anything prepared for publication in this step."""
+        """The step raised (forward or sampling; after_step did not run): forget anything prepared for publication
+        in it. The engine then ends every request of the step (remove_request is called for each)."""
 
     def release(self) -> None:
         """Drop per-request buffers at shutdown."""
