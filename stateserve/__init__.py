@@ -1,4 +1,5 @@
 """stateserve: an inference engine where decoders, state-space models and hybrids are first-class."""
+from stateserve.engine.errors import EngineDeadError
 from stateserve.logger import configure_logging
 from stateserve.models.registry import ModelRegistry
 from stateserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
@@ -18,4 +19,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EmbeddingRequestOutput",
-           "ModelRegistry"]
+           "ModelRegistry", "EngineDeadError"]
