@@ -13,13 +13,12 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx2
 import pytest
+from utils import start_server
 
 from stateserve.assets import bundled_models
 from stateserve.sampling_params import SamplingParams
@@ -38,29 +37,10 @@ class Server:
     read, in one stream, for the port and for the report if it fails)."""
 
     def __init__(self, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "serve", MODEL, "--port", "0",
-               "--served-model-name", NAME, "--max-num-batched-tokens", "128", "--uvicorn-log-level", "warning",
-               *extra]
-        env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1", "STATESERVE_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=REPO)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 300  # a first start after a kernel source change compiles
-        while True:
-            found = [m for line in list(self.lines) if (m := re.search(r"on http://127\.0\.0\.1:(\d+)", line))]
-            if found:
-                self.port = int(found[0].group(1))
-                self.url = f"http://127.0.0.1:{self.port}"
-                try:
-                    if httpx2.get(self.url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx2.HTTPError:
-                    pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise AssertionError("server subprocess did not come up:\n" + "".join(self.lines))
-            time.sleep(0.1)
+        self.proc, self.url, self.lines = start_server(MODEL, "--served-model-name", NAME,
+                                                       "--max-num-batched-tokens", "128", "--uvicorn-log-level",
+                                                       "warning", *extra, timeout_s=300)
+        self.port = int(self.url.rsplit(":", 1)[1])
         self.http = httpx2.Client(base_url=self.url, timeout=60)
         self.control_before = self.control()
 
