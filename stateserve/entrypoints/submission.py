@@ -1,7 +1,7 @@
 """Adding one HTTP request's prompts to the engine all at once or not at all (engine thread only).
 
-A request is validated whole before any part of it is queued: every prompt (`LLMEngine.validate_prompt`), and its
-SamplingParams were checked when built (seed + n - 1 included, since sample i is seeded with seed + i). If adding
+A request is validated whole before any part of it is queued: every prompt (`LLMEngine.validate_prompt`, by the
+caller, AsyncEngine._do_add, before it checks the queue's room), and its SamplingParams were checked when built (seed + n - 1 included, since sample i is seeded with seed + i). If adding
 still fails half-way (a prompt after the first, or a sample after the first of a prompt), everything this
 submission queued is aborted and forgotten, so no sample runs for a request that was answered with an error."""
 from __future__ import annotations
@@ -13,9 +13,8 @@ from stateserve.sampling_params import SamplingParams
 
 def add_all(engine: Any, group_ids: list[str], prompts: list[tuple[str | None, list[int]]],
             params: SamplingParams) -> None:
-    """Queue `prompts[i]` as group `group_ids[i]` (n samples each); on any error nothing stays queued."""
-    for _, ids in prompts:
-        engine.validate_prompt(ids)
+    """Queue `prompts[i]` as group `group_ids[i]` (n samples each) after the caller validated every prompt; on any
+    error nothing stays queued."""
     tried: list[str] = []
     try:
         for gid, (text, ids) in zip(group_ids, prompts):
