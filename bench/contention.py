@@ -1,7 +1,7 @@
 """Throughput beside competing processes: what a user gets when the machine is not theirs alone.
 
 For each load it starts the competing processes, then runs the same offline workload (--repeats generate calls of --prompts prompts) in fresh processes under
-three thread settings, alternating them (--rounds): `adaptive` (the default: runner/cpu_threads.py fits the team
+three thread settings, alternating them (--rounds): `adaptive` (the default: platform/cpu_threads.py fits the team
 to the cores the other processes leave), `one-thread` (STATESERVE_NUM_THREADS=1: the floor the adaptive team
 must never fall below) and `fixed` (STATESERVE_ADAPTIVE_THREADS=0: every core whatever the load, the behaviour
 before the governor). Each figure is the faster round's generated tokens per second (load time apart).
@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
     os.environ.setdefault("STATESERVE_DISABLE_TQDM", "1")
     sys.path.insert(0, REPO)
     from stateserve import LLM, SamplingParams
-    from stateserve.runner import cpu_threads
+    from stateserve.platform import cpu_threads
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=False)

@@ -20,7 +20,7 @@ from bench.machine_limits import DTYPES  # noqa: E402
 from stateserve import LLM, SamplingParams  # noqa: E402
 from stateserve.layers.mamba2_mixer import Mamba2Mixer  # noqa: E402
 from stateserve.layers.selective_scan import MambaMixer  # noqa: E402
-from stateserve.models.llama import DecoderLayer  # noqa: E402
+from stateserve.layers.decoder_layer import DecoderLayer  # noqa: E402
 
 # the module class whose _fused_decode makes the difference, by model kind
 FUSED_MODULES = {"mamba": MambaMixer, "mamba2": Mamba2Mixer, "llama": DecoderLayer}

@@ -1,6 +1,6 @@
 """The linear kernels by row count: stateserve's few-row kernel (csrc/linear.cpp), its panel kernel
 (csrc/packed_linear.cpp) and PyTorch's F.linear, on every weight of a base-size model in turn (so the weights come
-from memory, as in decoding), in float32 and bfloat16. The row thresholds in stateserve/layers/linear.py
+from memory, as in decoding), in float32 and bfloat16. The row thresholds in stateserve/platform/kernels.py
 (MAX_ROWS_PREPACKED*) come from this kind of table.
 
     python bench/linears.py [--dtypes float32,bfloat16] [--rows 1,2,4,6,8,16] [--threads N] [--json FILE]
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.machine_limits import DTYPES, best_time  # noqa: E402
-from stateserve.layers import cpu_kernels  # noqa: E402
+from stateserve.platform import cpu_kernels  # noqa: E402
 from stateserve.layers.linear import PANEL_COLUMNS  # noqa: E402
 
 SHAPES = [(3072, 768), (768, 3072)] * 12  # [out_features, in_features] of a base model's MLPs, layer by layer

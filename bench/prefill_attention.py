@@ -1,8 +1,8 @@
-"""Causal prefill attention: stateserve's C++ kernel (csrc/prefill_attention*.cpp, reading the paged cache in place)
+"""Causal prefill attention: stateserve's C++ kernel (csrc/prefill_attention.cpp, reading the paged cache in place)
 against PyTorch's CPU flash kernel on the same queries, keys and values, by chunk length and cached context. For a
 chunk after context the flash side does what the engine's fallback does: the context and the chunk in two calls
 (their merge left out), on copies of the keys and values. The limit PREFILL_KERNEL_MAX_KEYS_8_LANES in
-stateserve/layers/attention.py comes from this table.
+stateserve/platform/kernels.py comes from this table.
 
     python bench/prefill_attention.py [--dtypes float32,bfloat16] [--heads 12] [--head-dim 64] [--threads N]
 
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.machine_limits import DTYPES, best_time  # noqa: E402
-from stateserve.layers import cpu_kernels  # noqa: E402
+from stateserve.platform import cpu_kernels  # noqa: E402
 
 CASES = [(0, 256), (256, 256), (0, 512), (512, 512), (0, 1024), (1024, 1024), (0, 2048), (2048, 2048)]  # (ctx, rows)
 BLOCK_SIZE = 16

@@ -260,7 +260,7 @@ def plot(rows: list[dict], engines: list[str], workloads: list[str], path: str) 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not importable: no plot (pip install matplotlib for one)")
+        print("matplotlib is not importable: no plot (pip install -e '.[bench]' for one)")
         return False
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
     for ax, name in zip(axes[0], workloads):
@@ -274,8 +274,10 @@ def plot(rows: list[dict], engines: list[str], workloads: list[str], path: str) 
         ax.set_title(f"{name} ({'prompt' if name == 'prefill' else 'generated'} tok/s)")
         ax.set_ylabel("tokens / s")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
+    # One legend above the panels: inside a panel it can hide the top of a bar.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(engines), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

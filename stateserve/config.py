@@ -56,6 +56,8 @@ class EngineConfig:
     enforce_eager: bool = _option(False, "no CUDA graphs: every decode step runs eagerly")
     kv_cache_memory_bytes: int | None = _option(None, "bytes for KV blocks and state slots (default: what is left on "
                                                       "CUDA, STATESERVE_CPU_KV_CACHE_SPACE on CPU)")
+    num_gpu_blocks_override: int | None = _option(None, "exactly this many KV blocks, whatever the memory budget "
+                                                        "(tests of preemption; vLLM's name, on CPU too)")
     gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory the engine may use, caches included")
     runner: str = _option("auto", "auto picks by the architecture: generate for language models, pooling for "
                                   "embedding models", _RUNNERS)
@@ -91,6 +93,8 @@ class EngineConfig:
             bad(f"mamba_ssm_cache_dtype must be float32, bfloat16 or auto, got {self.mamba_ssm_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             bad(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            bad(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.runner not in _RUNNERS:

@@ -30,6 +30,16 @@ def _log_level(v: str) -> str:
     return name
 
 
+_CPU_ISAS = ("native", "avx512", "avx2", "scalar")
+
+
+def _cpu_isa(v: str) -> str:
+    name = v.strip().lower()
+    if name not in _CPU_ISAS:
+        raise ValueError(f"expected one of {', '.join(_CPU_ISAS)}, got {v!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class EnvVar:
     parse: Callable[[str], Any]
@@ -50,9 +60,12 @@ ENV_VARS: dict[str, EnvVar] = {
     "STATESERVE_NUM_THREADS": EnvVar(int, 0, "Most intra-op threads a CPU step uses; 0 = torch's count (all "
                                              "cores unless set otherwise)."),
     "STATESERVE_ADAPTIVE_THREADS": EnvVar(_bool, True, "Compute on fewer threads while other processes use cores "
-                                                       "(runner/cpu_threads.py); 0 = always the most."),
+                                                       "(platform/cpu_threads.py); 0 = always the most."),
     "STATESERVE_DISABLE_TQDM": EnvVar(_bool, False, "Turn off progress bars."),
     "STATESERVE_CPU_KERNELS": EnvVar(_bool, True, "Use the C++ CPU kernels (built on first use) where they exist."),
+    "STATESERVE_CPU_ISA": EnvVar(_cpu_isa, "native", "Instruction sets the C++ CPU kernels are compiled for: native "
+                                                     "(this CPU's), or fewer to build and test another CPU's paths "
+                                                     "here: avx512 (no bfloat16 dot products), avx2, scalar."),
     "STATESERVE_CACHE_DIR": EnvVar(str, "~/.cache/stateserve", "Where compiled kernels are kept."),
     "STATESERVE_PACK_LINEARS": EnvVar(_bool, True, "Keep a copy of CPU linear weights in 48-column panels for "
                                                    "products of 3+ rows (skipped when memory is short)."),

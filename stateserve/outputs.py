@@ -42,6 +42,7 @@ class RequestOutput:
 @dataclass
 class EmbeddingOutput:
     embedding: list[float]
+    error: str | None = None  # set (and the embedding empty) when the step running the prompt failed
 
 
 @dataclass

@@ -22,14 +22,42 @@ def tokenizer_dir(tmp_path_factory):
     return make_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
 
 
-@pytest.fixture
-def no_kernels(monkeypatch):
-    """no_kernels(True) runs the C++ kernels, no_kernels(False) the PyTorch fallbacks: the reference the kernels must
-    reproduce."""
-    from stateserve.layers import cpu_kernels
+class _CountingModule:
+    """The C++ module with every kernel call counted: a test that asked for the kernels and never reached one would
+    compare the PyTorch path with itself."""
 
-    kernels = cpu_kernels.load()
+    def __init__(self, module) -> None:
+        self.module, self.calls = module, 0
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.module, name)
+        if name.endswith("_supported") or name in ("simd_float32_lanes", "compiled_isa"):
+            return fn
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture
+def no_kernels():
+    """no_kernels(True) runs the C++ kernels, no_kernels(False) the PyTorch fallbacks (the reference the kernels must
+    reproduce): a kernel table with the C++ module, or one without, until the test ends, which fails if the kernels
+    were asked for and none ran."""
+    import contextlib
+
+    from stateserve.platform import cpu_kernels, kernels
+
+    module = cpu_kernels.load()
+    counting = _CountingModule(module) if module is not None else None
+    with_module, pytorch = kernels.build(counting), kernels.build(None)
+    stack, asked = contextlib.ExitStack(), []
 
     def use(enabled: bool) -> None:
-        monkeypatch.setattr(cpu_kernels, "load", (lambda: kernels) if enabled else (lambda: None))
-    return use
+        asked.append(enabled)
+        stack.enter_context(kernels.using(with_module if enabled else pytorch))
+    yield use
+    stack.close()
+    if counting is not None and any(asked):
+        assert counting.calls, "no_kernels(True), but no C++ kernel ran: the test compared PyTorch with itself"

@@ -6,8 +6,8 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.engine.request import Request
-from utils import build_hf_model, hf_greedy, save_model
+from stateserve.core.request import Request
+from utils import assert_cache_sized, build_hf_model, hf_greedy, save_model
 
 CFG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
@@ -106,14 +106,17 @@ def test_penalties_change_output(llm):
 
 
 def test_preemption_gives_same_tokens(model_dir):
+    """num_gpu_blocks_override=8 gives the engine exactly 8 KV blocks, whatever its (default, roomy) memory budget
+    holds; the requests that do not fit get preempted and recomputed, with the tokens of an unconstrained run."""
     _, path = model_dir
     prompts = [ids(20 + 3 * i, i) for i in range(6)]
     p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     with LLM(path, max_num_batched_tokens=64) as roomy:
+        assert roomy.llm_engine.runner.caches.plan.num_blocks > 8
         ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, p)]
     # 8 blocks of 16 tokens cannot hold six 50-token sequences at once: requests get preempted
-    block_bytes = 2 * 16 * 2 * 16 * 4 * 2
-    with LLM(path, max_num_batched_tokens=64, kv_cache_memory_bytes=8 * block_bytes) as tight:
+    with LLM(path, max_num_batched_tokens=64, num_gpu_blocks_override=8) as tight:
+        assert_cache_sized(tight, 8)
         outs = tight.generate(prompts, p)
         assert tight.llm_engine.stats["preemptions"] > 0
         assert [o.outputs[0].token_ids for o in outs] == ref

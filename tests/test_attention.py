@@ -2,14 +2,14 @@
 ragged lengths and scattered block tables; mixed prefill + decode batches take both paths."""
 from __future__ import annotations
 
-import unittest.mock
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from stateserve.layers import cpu_kernels
 from stateserve.layers.attention import Attention
+from stateserve.platform import cpu_kernels, kernels as kernel_table
 
 
 def dense(q, k, v, scale):
@@ -66,13 +66,11 @@ def test_write_kv_puts_each_row_at_its_slot(dtype):
     for use_kernel in (True, False):
         kc, vc = torch.full((nb, kv_heads, bs, D), 7.0, dtype=dtype), torch.full((nb, kv_heads, bs, D), 7.0, dtype=dtype)
         attn.bind_cache(kc, vc)
-        if use_kernel:
-            if cpu_kernels.load() is None:
-                continue
+        if use_kernel and cpu_kernels.load() is None:
+            continue
+        with kernel_table.using(kernel_table.table() if use_kernel else kernel_table.build(None)) as table:
+            assert (table.write_kv(dtype) is not None) == use_kernel
             attn.write_kv(k, v, slots)
-        else:
-            with unittest.mock.patch.object(cpu_kernels, "load", return_value=None):
-                attn.write_kv(k, v, slots)
         expect_k, expect_v = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
         for t, slot in enumerate(slots.tolist()):
             expect_k[slot // bs, :, slot % bs] = k[t].to(dtype)
@@ -165,21 +163,21 @@ def test_prefill_kernel_matches_dense(dtype, tol, heads, kv_heads, D, bs, ctx, q
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("D", [16, 64])  # 16: PyTorch's flash kernel (merged by log-sum-exp); 64: the C++ kernel
-@pytest.mark.parametrize("key_limit", [None, 12])  # 12: below the sequence's 15 keys, for 8-lane builds' kernel
+@pytest.mark.parametrize("key_limit", [None, 12])  # 12: below the sequence's 15 keys
 def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_heads, D, key_limit, monkeypatch):
     """A later chunk of a prompt (context already in the paged cache): the CPU path merges flash attention over
     the context and over the chunk by log-sum-exp; it must equal one causal attention over the whole prompt.
-    With AVX2 the C++ kernel takes sequences of up to PREFILL_KERNEL_MAX_KEYS_8_LANES keys, longer ones the flash
-    path."""
-    from stateserve.layers import attention as attention_module
+    The C++ kernel takes sequences of up to the kernel table's prefill_max_keys (PREFILL_KERNEL_MAX_KEYS_8_LANES
+    with AVX2, no limit with AVX-512), longer ones the flash path."""
     from stateserve.layers.metadata import AttnMetadata
 
     flash_calls = []
     flash = Attention._prefill_with_context_cpu
     monkeypatch.setattr(Attention, "_prefill_with_context_cpu",
                         lambda self, *args: flash_calls.append(1) or flash(self, *args))
+    table = kernel_table.table()
     if key_limit is not None:
-        monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MAX_KEYS_8_LANES", key_limit)
+        table = dataclasses.replace(table, prefill_max_keys=key_limit)
 
     g = torch.Generator().manual_seed(3)
     bs, ctx, qlen = 4, 9, 6  # the context ends inside a block
@@ -189,22 +187,21 @@ def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_
     attn.bind_cache(kc, vc)
     q = torch.randn(total, heads, D, generator=g).to(dtype)
     k, v = (torch.randn(total, kv_heads, D, generator=g).to(dtype) for _ in range(2))
-    table = torch.tensor([[5, 2, 7, 0]])  # scattered blocks
-    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(total)])
+    blocks = torch.tensor([[5, 2, 7, 0]])  # scattered blocks
+    slots = torch.tensor([int(blocks[0, p // bs]) * bs + p % bs for p in range(total)])
     for p in range(ctx):  # the context, written by an earlier step
-        kc[int(table[0, p // bs]), :, p % bs] = k[p]
-        vc[int(table[0, p // bs]), :, p % bs] = v[p]
+        kc[int(blocks[0, p // bs]), :, p % bs] = k[p]
+        vc[int(blocks[0, p // bs]), :, p % bs] = v[p]
     meta = AttnMetadata(query_start_loc=[0, qlen], query_lens=[qlen], context_lens=[ctx], seq_lens=[total],
-                        is_decode_only=False, slot_mapping=slots[ctx:], block_tables=table, prefill_seqs=[0])
-    out = attn(q[ctx:], k[ctx:], v[ctx:], meta)
+                        is_decode_only=False, slot_mapping=slots[ctx:], block_tables=blocks, prefill_seqs=[0])
+    with kernel_table.using(table):
+        out = attn(q[ctx:], k[ctx:], v[ctx:], meta)
     rep = heads // kv_heads
     ref = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().repeat_interleave(rep, 1).transpose(0, 1),
                                          v.float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
                                          scale=D ** -0.5).transpose(0, 1)[ctx:]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
-    kernels = cpu_kernels.load()
-    kernel_takes_it = kernels is not None and kernels.prefill_attention_supported(dtype, D) and not (
-        key_limit is not None and kernels.simd_float32_lanes() == 8)
+    kernel_takes_it = table.prefill_attention(dtype, dtype, D) is not None and key_limit is None
     assert flash_calls == ([] if kernel_takes_it else [1])
     # the context really is read: attending to the chunk alone gives something else
     alone = F.scaled_dot_product_attention(q[ctx:].float().transpose(0, 1),

@@ -1,6 +1,6 @@
 """Bamba (Mamba2 + attention hybrid): greedy parity with transformers under chunked prefill, teacher-forced logits
-through the real KV and state caches, preemption with recompute, state checkpoints through the whole model,
-config edges (attention at layer 0, partial rotary, biases, all-Mamba) and weight names that load 1:1."""
+through the real KV and state caches, state checkpoints through the whole model, config edges (attention at
+layer 0, partial rotary, biases, all-Mamba) and weight names that load 1:1. Preemption: test_hybrid_cache.py."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,6 @@ import torch
 from transformers import BambaConfig, BambaForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.layers.attention import Attention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
 from stateserve.models.bamba import BambaForCausalLM as OurBamba
@@ -96,36 +95,6 @@ def test_teacher_forced_logits(case, tmp_path):
             # float32 throughout: only the scan's chunking (association order) differs from transformers;
             # observed max error ~3e-4 at chunk 1 (decode recurrence) and <1e-4 otherwise, logits up to ~16
             torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4, msg=lambda m: f"chunk {chunk}: {m}")
-
-
-def _tight_budget(cfg: BambaConfig, num_blocks: int) -> int:
-    """A budget leaving about `num_blocks` 16-token KV blocks after the state slots (plan_caches gives the
-    states of a hybrid half the budget, rounded down to whole slots)."""
-    model = OurBamba(cfg, torch.float32)
-    block = sum(m.cache_spec().bytes_per_block(16) for m in model.modules() if isinstance(m, Attention))
-    slot = sum(m.cache_spec().bytes_per_slot() for m in model.modules() if isinstance(m, Mamba2Mixer))
-    budget = 2 * num_blocks * block
-    assert budget // 2 // slot >= 2, "the budget must hold at least two running sequences"
-    return budget
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    hf, path = _build(tmp_path, attn_layer_indices=[1, 3])  # two KV layers: KV, not state slots, runs out
-    prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)]} for i in range(6)]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    # six sequences of 50-65 tokens need four blocks each; about eight exist, so some are preempted and
-    # recomputed from scratch (their state slots are freed and re-zeroed too)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False,
-             kv_cache_memory_bytes=_tight_budget(hf.config, num_blocks=8)) as tight:
-        outs = tight.generate(prompts, params)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        assert [o.outputs[0].token_ids for o in outs] == ref
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
-    ids = [p["prompt_token_ids"] for p in prompts[:2]]  # and the roomy run itself is transformers' greedy
-    assert_greedy_matches(ref[:2], hf_greedy(hf, ids, 30), hf, ids)
 
 
 def _prefill_meta(n: int, slot: int, checkpoints=()) -> ForwardMeta:

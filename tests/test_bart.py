@@ -69,7 +69,7 @@ def assert_idle(llm):
     engine = llm.llm_engine
     engine.check_integrity()
     assert engine.cache.is_idle_and_full()
-    assert engine.model_state.encoder_cache_size() == 0
+    assert engine.runner.model_state.encoder_cache_size() == 0
 
 
 @pytest.mark.parametrize("extra", [{}, UNTIED], ids=["tied", "untied_scaled_relu"])
@@ -107,7 +107,7 @@ def test_preemption_and_abort_free_the_encoder_cache(tmp_path):
         engine = llm.llm_engine
         engine.add_request("x", ENC[1], GREEDY)
         engine.step()
-        assert engine.model_state.encoder_cache_size() == 1
+        assert engine.runner.model_state.encoder_cache_size() == 1
         engine.abort_request("x")
         engine.pop_output("x")
         assert_idle(llm)

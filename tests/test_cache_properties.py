@@ -13,8 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from stateserve.cache.block_pool import BlockPool, SlotPool
 from stateserve.cache.prefix import SnapshotIndex, block_hashes
-from stateserve.engine.cache_manager import CacheManager
-from stateserve.engine.request import Request, RequestStatus
+from stateserve.cache.manager import CacheManager
+from stateserve.core.request import Request, RequestStatus
 from stateserve.engine.scheduler import Scheduler
 from stateserve.sampling_params import SamplingParams
 

@@ -97,3 +97,24 @@ def test_generate_end_to_end_keeps_the_api_default_for_ssm_states():
     explicit = _state_slots("--mamba-ssm-cache-dtype", "auto", "--enforce-eager")
     assert _state_slots() == explicit  # no flag = EngineConfig's default, "auto"
     assert _state_slots("--mamba-ssm-cache-dtype", "float32") < explicit  # the count does tell the dtypes apart
+
+
+def test_generate_num_gpu_blocks_override_sizes_the_kv_cache():
+    """`stateserve generate --num-gpu-blocks-override 8` on the bundled hybrid demo model (the default model, a
+    Mamba2, has no KV cache to size) plans exactly 8 KV blocks, far fewer than its default budget would hold, and
+    still generates; its log line says so."""
+    from stateserve.assets import bundled_models
+
+    model = bundled_models().get("hybrid-demo")
+    if model is None:
+        pytest.skip("the bundled hybrid demo model is missing")
+    env = {**os.environ, "STATESERVE_CPU_KERNELS": "0", "STATESERVE_DISABLE_TQDM": "1"}
+    env.pop("STATESERVE_CONFIGURE_LOGGING", None)
+    env.pop("STATESERVE_LOG_LEVEL", None)
+    cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "generate", "--model", model, "--prompt", "hi",
+           "--prompt", "The quick brown fox", "--max-tokens", "3", "--num-gpu-blocks-override", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^6 tokens in ", proc.stdout, re.M), proc.stdout
+    found = re.findall(r"Available KV cache memory: .*?; (\d+) KV blocks", proc.stdout + proc.stderr)
+    assert found == ["8"], proc.stdout + proc.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stateserve.layers import cpu_kernels
+from stateserve.platform import cpu_kernels
 from stateserve.layers.selective_scan import selective_scan_prefill, selective_state_update
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 from utils import random_mamba2_mixer

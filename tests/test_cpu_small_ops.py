@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateserve.layers import cpu_kernels
+from stateserve.platform import cpu_kernels
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.recurrent import causal_conv1d_decode
 

@@ -1,4 +1,4 @@
-"""The thread governor (runner/cpu_threads.py): a team no larger than the cores other processes leave free.
+"""The thread governor (platform/cpu_threads.py): a team no larger than the cores other processes leave free.
 
 Its arithmetic and its windows against a fake clock and fake CPU counters, then the user's path: an engine in a
 subprocess beside busy processes says it computes on fewer threads, and does."""
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from stateserve.runner import cpu_threads
-from stateserve.runner.cpu_threads import ThreadGovernor, threads_for
+from stateserve.platform import cpu_threads
+from stateserve.platform.cpu_threads import ThreadGovernor, threads_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,7 +129,7 @@ _ENGINE = """
 import os, time
 from stateserve import LLM, SamplingParams
 from stateserve.assets import default_model_path
-from stateserve.runner import cpu_threads
+from stateserve.platform import cpu_threads
 llm = LLM(default_model_path())
 params = SamplingParams(max_tokens=48, ignore_eos=True)
 deadline = time.monotonic() + 60

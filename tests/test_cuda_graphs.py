@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from stateserve import LLM, SamplingParams
-from stateserve.engine.request import Request
-from stateserve.engine.scheduler import SchedulerOutput
+from stateserve.core.request import Request
+from stateserve.core.batch import SchedulerOutput
 from stateserve.runner import cuda_graphs
-from stateserve.runner.input_batch import build_input_batch
+from stateserve.core.batch import build_input_batch
 from prefix_models import model_path
 
 KINDS = ["llama", "mamba2", "bamba", "jamba"]
@@ -120,12 +120,12 @@ def test_decode_logits_equal_eager(kind, paths, fake_graphs):
                 batch = build_input_batch(_decode_sched(llm, reqs), runner.device)
                 meta = runner.model_state.prepare_meta(batch)
                 assert runner.graph_manager.can_run(batch, meta)
-                saved = _snapshot(runner.storage)
+                saved = _snapshot(runner.caches.storage)
                 replays = fake_graphs.num_replays
                 graphed = runner.forward_logits(batch, meta)
                 assert fake_graphs.num_replays == replays + 1
-                after_graph = _snapshot(runner.storage)
-                _restore(runner.storage, saved)
+                after_graph = _snapshot(runner.caches.storage)
+                _restore(runner.caches.storage, saved)
                 hidden = runner.model(batch.input_ids, batch.positions, meta)
                 eager = runner.model.compute_logits(hidden[batch.logits_indices])
                 torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5)
@@ -133,7 +133,7 @@ def test_decode_logits_equal_eager(kind, paths, fake_graphs):
                 assert graphed.argmax(-1).tolist() == tokens
                 # the caches of real sequences end up the same either way
                 scratch = _scratch_rows(runner)
-                for g, e, rows in zip(after_graph, _snapshot(runner.storage), scratch):
+                for g, e, rows in zip(after_graph, _snapshot(runner.caches.storage), scratch):
                     keep = torch.ones(g.shape[0], dtype=torch.bool)
                     keep[rows] = False
                     torch.testing.assert_close(g[keep], e[keep], atol=1e-5, rtol=1e-5)
@@ -146,8 +146,8 @@ def test_decode_logits_equal_eager(kind, paths, fake_graphs):
 def _scratch_rows(runner) -> list[list[int]]:
     """Per cache tensor of _snapshot: the rows reserved for graph padding."""
     m = runner.graph_manager
-    return [[m.scratch_block] for kv in runner.storage.kv.values() for _ in kv] + \
-           [[m.scratch_slot] for layer in runner.storage.states.values() for _ in layer.values()]
+    return [[m.scratch_block] for kv in runner.caches.storage.kv.values() for _ in kv] + \
+           [[m.scratch_slot] for layer in runner.caches.storage.states.values() for _ in layer.values()]
 
 
 def _foreign_rows_changed(runner, reqs, step) -> bool:
@@ -155,10 +155,10 @@ def _foreign_rows_changed(runner, reqs, step) -> bool:
     scratch rows changed."""
     owned_blocks = {b for r in reqs for b in r.block_ids} | {runner.graph_manager.scratch_block}
     owned_slots = {r.state_slot for r in reqs} | {runner.graph_manager.scratch_slot}
-    before = _snapshot(runner.storage)
+    before = _snapshot(runner.caches.storage)
     step()
-    after = _snapshot(runner.storage)
-    num_kv = 2 * len(runner.storage.kv)
+    after = _snapshot(runner.caches.storage)
+    num_kv = 2 * len(runner.caches.storage.kv)
     for j, (b, a) in enumerate(zip(before, after)):
         owned = owned_blocks if j < num_kv else owned_slots
         for row in range(b.shape[0]):
@@ -179,10 +179,10 @@ def test_padding_rows_never_touch_real_caches(kind, broken, paths, fake_graphs, 
                 monkeypatch.setattr(cuda_graphs.DecodeGraphManager, "_reset_padding", lambda self, a, b: None)
             live, dropped = reqs[:3], reqs[3]
             # mark the dropped sequence's cache: a stale padding row would recompute and overwrite it
-            for k, v in runner.storage.kv.values():
+            for k, v in runner.caches.storage.kv.values():
                 k[dropped.block_ids] = 0.5
                 v[dropped.block_ids] = 0.5
-            for layer in runner.storage.states.values():
+            for layer in runner.caches.storage.states.values():
                 for t in layer.values():
                     t[dropped.state_slot] = 0.5
             changed = _foreign_rows_changed(runner, live, lambda: runner.execute(_decode_sched(llm, live)))
@@ -222,7 +222,7 @@ def test_ineligible_steps_run_eagerly(paths, fake_graphs):
         batch = build_input_batch(_decode_sched(llm, reqs), runner.device)
         meta = runner.model_state.prepare_meta(batch)
         assert manager.can_run(batch, meta)
-        meta.state.checkpoints = [(0, 1, runner.snapshot_pool.allocate())]  # a snapshot asked for: eager
+        meta.state.checkpoints = [(0, 1, runner.caches.manager.snapshots.slots.allocate())]  # a snapshot asked for: eager
         assert not manager.can_run(batch, meta)
         meta.state.checkpoints = []
         meta.state.has_initial_state = [False, True]
@@ -265,11 +265,11 @@ def test_scratch_rows_are_reserved(paths, fake_graphs):
     with LLM(paths["bamba"], skip_tokenizer_init=True, max_num_seqs=4) as llm:
         runner = llm.llm_engine.runner
         m = runner.graph_manager
-        assert m.scratch_block == runner.block_pool.num_blocks  # one past what the pool hands out
-        assert m.scratch_slot not in set(runner.slot_pool.free_slots)
-        if runner.snapshot_pool is not None:
-            assert m.scratch_slot not in set(runner.snapshot_pool.free_slots)
-        assert m.scratch_slot == runner.storage.states[next(iter(runner.storage.states))]["ssm"].shape[0] - 1
+        assert m.scratch_block == runner.caches.manager.block_pool.num_blocks  # one past what the pool hands out
+        assert m.scratch_slot not in set(runner.caches.manager.slot_pool.free_slots)
+        if runner.caches.manager.snapshots.slots is not None:
+            assert m.scratch_slot not in set(runner.caches.manager.snapshots.slots.free_slots)
+        assert m.scratch_slot == runner.caches.storage.states[next(iter(runner.caches.storage.states))]["ssm"].shape[0] - 1
 
 
 def test_shutdown_drops_the_manager(paths, fake_graphs):

@@ -111,12 +111,31 @@ def test_pooling_matches_transformers(kind, mode, normalize, extra, tmp_path):
     ref = torch.stack([hf_embed(hf, p, modes, normalize) for p in PROMPTS])
     # a small token budget packs the prompts into several flat batches
     with _llm(path, max_num_batched_tokens=48) as llm:
-        engine = llm.llm_engine
-        assert len(engine.plan_batches([engine.make_request({"prompt_token_ids": p}, None) for p in PROMPTS])) > 2
+        runner, steps = llm.llm_engine.runner, []
+        execute = runner.execute
+        runner.execute = lambda sched: (steps.append(len(sched.requests)), execute(sched))[1]
         ours = vectors(llm.embed([{"prompt_token_ids": p} for p in PROMPTS]))
+        assert len(steps) > 2 and sum(steps) == len(PROMPTS)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
     if normalize:
         torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(PROMPTS)))
+
+
+def test_prompts_run_whole_and_a_long_one_alone(tmp_path):
+    """An encoder sees a prompt whole: the scheduler never splits one, packs the others into steps within the token
+    budget, and runs a prompt longer than the budget in a step of its own; every vector is what it is alone."""
+    _, path = _build("bert", tmp_path)
+    with _llm(path, max_num_batched_tokens=16) as llm:
+        runner, steps = llm.llm_engine.runner, []
+        execute = runner.execute
+        runner.execute = lambda sched: (steps.append(list(sched.num_new_tokens)), execute(sched))[1]
+        batched = vectors(llm.embed([{"prompt_token_ids": p} for p in PROMPTS]))
+        lengths = sorted(len(p) for p in PROMPTS)
+        assert sorted(n for step in steps for n in step) == lengths  # each prompt whole, once
+        assert all(sum(step) <= 16 or len(step) == 1 for step in steps)
+        assert [step for step in steps if sum(step) > 16] == [[n] for n in [37, 40, 20]]
+        single = torch.cat([vectors(llm.embed({"prompt_token_ids": p})) for p in PROMPTS])
+    torch.testing.assert_close(batched, single, atol=1e-6, rtol=1e-5)
 
 
 def test_batched_equals_one_at_a_time_and_no_cache(tmp_path):
@@ -128,14 +147,15 @@ def test_batched_equals_one_at_a_time_and_no_cache(tmp_path):
         single = torch.cat([vectors(llm.embed({"prompt_token_ids": p})) for p in PROMPTS])
         torch.testing.assert_close(batched, single, atol=1e-6, rtol=1e-5)
         # nothing planned, allocated or bound: no KV blocks, no state slots
-        assert type(engine.model_state).__name__ == "EncoderOnlyModelState"
-        assert not engine.model_state.uses_kv_cache and not engine.model_state.uses_state_cache
-        assert engine.runner.storage is None and engine.runner.block_pool is None and engine.runner.slot_pool is None
+        state = engine.runner.model_state
+        assert type(state).__name__ == "EncoderOnlyModelState"
+        assert not state.uses_kv_cache and not state.uses_state_cache
+        caches = engine.runner.caches
+        assert caches.manager.block_pool is None and caches.manager.slot_pool is None
         attns = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
         assert len(attns) == BASE["num_hidden_layers"] and all(a.k_cache is None and not a.causal for a in attns)
         assert engine.runner.cache_specs() == ({}, {})
-        plan = engine.runner.initialize_caches(4)  # not needed, and it would allocate nothing
-        assert plan.num_blocks == 0 and plan.num_slots == 0 and not engine.runner.storage.kv
+        assert caches.plan.num_blocks == 0 and caches.plan.num_slots == 0 and not caches.storage.kv
         outs = llm.embed({"prompt_token_ids": PROMPTS[1]})
         assert outs[0].prompt_token_ids == PROMPTS[1] and outs[0].finished
     torch.testing.assert_close(batched, torch.stack([hf_embed(hf, p, "mean", True) for p in PROMPTS]),
@@ -169,7 +189,7 @@ def test_length_limit_and_truncation(kind, tmp_path):
     hf, path = _build(kind, tmp_path)
     long = list(range(3, 3 + LIMIT + 20))
     with _llm(path) as llm:
-        assert llm.llm_engine.max_len == LIMIT
+        assert llm.llm_engine.max_prompt_len == LIMIT
         llm.embed({"prompt_token_ids": long[:LIMIT]})  # exactly the limit fits
         expected = f"limit of {LIMIT} tokens \\(max_position_embeddings=" + (
             f"{LIMIT}\\)" if kind == "bert" else f"{LIMIT + 2} minus the position offset 2")
@@ -285,8 +305,8 @@ def test_all_minilm_matches_sentence_transformers():
     st = st_module.SentenceTransformer(path, device="cpu")
     ref = st.encode(SENTENCES, convert_to_tensor=True, batch_size=8).float()
     with LLM(path, max_num_batched_tokens=128) as llm:
-        assert llm.llm_engine.pooling_config.modes == ("mean",) and llm.llm_engine.pooling_config.normalize
-        assert llm.llm_engine.max_len == 256  # sentence_bert_config.json's max_seq_length
+        assert llm.llm_engine.pooling.modes == ("mean",) and llm.llm_engine.pooling.normalize
+        assert llm.llm_engine.max_prompt_len == 256  # sentence_bert_config.json's max_seq_length
         batched = vectors(llm.embed(SENTENCES))
         single = torch.cat([vectors(llm.embed(s)) for s in SENTENCES])
         assert llm.embed("hello")[0].prompt_token_ids == st.tokenizer("hello").input_ids

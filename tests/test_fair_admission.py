@@ -8,8 +8,8 @@ import random
 import pytest
 
 from stateserve import LLM, SamplingParams
-from stateserve.engine.cache_manager import CacheManager
-from stateserve.engine.request import Request, RequestStatus
+from stateserve.cache.manager import CacheManager
+from stateserve.core.request import Request, RequestStatus
 from stateserve.engine.scheduler import Scheduler
 from prefix_models import model_path
 

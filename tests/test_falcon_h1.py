@@ -1,6 +1,6 @@
 """FalconH1 (parallel attention + Mamba2 in every layer, muP multipliers): greedy parity with transformers under
-chunked prefill, teacher-forced logits through the real caches, preemption by recompute, prefix-cache snapshots,
-and configs with every multiplier away from 1 and the optional gated norm on."""
+chunked prefill, teacher-forced logits through the real caches, and configs with every multiplier away from 1
+and the optional gated norm on. Preemption and prefix-cache snapshots: test_hybrid_cache.py."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,6 @@ import torch
 from transformers import FalconH1Config, FalconH1ForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.layers.attention import Attention
-from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states.mamba_hybrid import MambaHybridModelState
 from stateserve.models.falcon_h1 import FalconH1ForCausalLM as Ours
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
@@ -93,49 +91,6 @@ def test_every_multiplier_matters(tmp_path):
         layer.mamba.in_proj_scale.fill_(1.0)
         assert (engine_teacher_forced_logits(llm, tokens, 64) - ref).abs().max() > 1e-2  # ssm_multipliers
         layer.mamba.in_proj_scale.copy_(scale)
-
-
-def cache_bytes(model) -> tuple[int, int]:
-    """(bytes of one recurrent-state slot, bytes of one 16-token KV block) over all layers of our model."""
-    slot = sum(m.cache_spec().bytes_per_slot() for m in model.modules() if isinstance(m, StatefulLayer))
-    block = sum(m.cache_spec().bytes_per_block(16) for m in model.modules() if isinstance(m, Attention))
-    return slot, block
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    hf, path = _build(tmp_path)
-    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(5)]  # 30 tokens each
-    slot, block = cache_bytes(Ours(hf.config, torch.float32))
-    # 4 state slots and 10 KV blocks: four running 50-token sequences need 16 blocks, so some get preempted
-    num_blocks = max(10, math.ceil(4 * slot / block))  # hybrids leave at least half of the budget to KV
-    assert num_blocks < 16
-    # reference: the same engine with room for every sequence (parity with transformers is tested above)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts],
-                                                              _params(20))]
-    with LLM(path, skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=32,
-             kv_cache_memory_bytes=4 * slot + num_blocks * block, enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(20))
-        assert llm.llm_engine.stats["preemptions"] > 0
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, prompts)
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
-
-
-def test_prefix_cache_snapshots(tmp_path):
-    """Mamba snapshots taken mid-chunk (block size 4) and resumed from must not change greedy output."""
-    hf, path = _build(tmp_path)
-    shared = list(range(30, 60))
-    first = [shared + [7, 8], shared[:13] + [9]]
-    second = [shared + [7, 8, 11], shared[:13] + [250, 3]]
-    ref = hf_greedy(hf, first + second, 6)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
-             mamba_cache_mode="align") as llm:
-        outs = [o for rnd in (first, second) for o in llm.generate([{"prompt_token_ids": p} for p in rnd],
-                                                                  _params(6))]
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, first + second)
-        assert min(o.num_cached_tokens for o in outs[len(first):]) >= 12  # really resumed from snapshots
-        llm.llm_engine.check_integrity()
 
 
 def test_weight_names_and_config_checks():

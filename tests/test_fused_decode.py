@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stateserve.layers import cpu_kernels
+from stateserve.platform import cpu_kernels, kernels as kernel_table
 from utils import random_mamba2_mixer
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="C++ CPU kernels unavailable")
+
+
+def _skip_without_few_row_kernel(dtype):
+    """The fused steps run their projections on the few-row kernel: AVX-512 without BF16 has none in bfloat16."""
+    if not kernels.fast_linear_supported(dtype):
+        pytest.skip(f"no few-row linear kernel for {dtype} in this build ({kernels.compiled_isa()})")
 
 
 def _close(a, b, tol):
@@ -31,12 +37,12 @@ def _fused_against_op_by_op(mixer, states, x, meta, dtype, monkeypatch):
     fused = type(mixer)._fused_decode
     results = {}
     for name in ("pytorch", "op_by_op", "fused"):
-        monkeypatch.setattr(cpu_kernels, "load", (lambda: None) if name == "pytorch" else (lambda: kernels))
-        if name == "op_by_op":  # the linears as the runner has them on CPU (pytorch: plain nn.Linear)
-            assert install_fast_linear(torch.nn.Sequential(mixer), dtype, torch.device("cpu")) > 0
-        monkeypatch.setattr(type(mixer), "_fused_decode", fused if name == "fused" else (lambda *a: None))
-        mixer.bind_cache({k: v.clone() for k, v in states.items()})
-        with torch.inference_mode():
+        table = kernel_table.build(None) if name == "pytorch" else kernel_table.table()
+        with kernel_table.using(table), torch.inference_mode():
+            if name == "op_by_op":  # the linears as the runner has them on CPU (pytorch: plain nn.Linear)
+                assert install_fast_linear(torch.nn.Sequential(mixer), dtype, torch.device("cpu")) > 0
+            monkeypatch.setattr(type(mixer), "_fused_decode", fused if name == "fused" else (lambda *a: None))
+            mixer.bind_cache({k: v.clone() for k, v in states.items()})
             if name == "fused":
                 assert mixer._fused_decode(x, meta) is not None  # the fused kernel applies here ...
                 mixer.bind_cache({k: v.clone() for k, v in states.items()})
@@ -62,6 +68,7 @@ def _check_fused(results, states, slots, dtype, checkpoint_dst):
 def test_fused_mamba1_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch):
     """mamba1_decode_ (in_proj to out_proj in one call) against the layer's op-by-op kernels and PyTorch: outputs,
     states updated at the step's slots only, and a prefix-cache snapshot taken after the step."""
+    _skip_without_few_row_kernel(dtype)
     from stateserve.layers.selective_scan import MambaMixer
     g = torch.Generator().manual_seed(5)
     mixer = MambaMixer(24, 40, 16, conv_kernel=4, time_step_rank=6, use_conv_bias=True, use_bias=True,
@@ -81,6 +88,7 @@ def test_fused_mamba1_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_mamba2_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch):
     """mamba2_mixer_decode_ (in_proj, conv, state update, gated norm, out_proj in one call) likewise."""
+    _skip_without_few_row_kernel(dtype)
     g = torch.Generator().manual_seed(6)
     slots, num_slots = [4, 0, 2], 8
     mixer, states = random_mamba2_mixer(dtype, num_slots, g)
@@ -92,6 +100,7 @@ def test_fused_mamba2_mixer_decode_matches_the_layer_op_by_op(dtype, monkeypatch
 def test_fused_mixer_decode_steps_aside_past_the_few_row_kernel():
     """More rows than the few-row kernel takes (a large decode batch): the fused path declines and the layer's
     usual path runs."""
+    _skip_without_few_row_kernel(torch.float32)
     from stateserve.layers.linear import install_fast_linear
     from stateserve.layers.selective_scan import MambaMixer
     mixer = MambaMixer(24, 40, 16, conv_kernel=4, time_step_rank=6, use_conv_bias=True, use_bias=False)
@@ -109,6 +118,7 @@ def test_fused_decode_follows_weight_updates(monkeypatch):
     from stateserve.layers.linear import install_fast_linear
     from stateserve.layers.selective_scan import MambaMixer
     dtype = torch.bfloat16
+    _skip_without_few_row_kernel(dtype)
     g = torch.Generator().manual_seed(8)
     mixer = MambaMixer(24, 40, 16, conv_kernel=4, time_step_rank=6, use_conv_bias=True, use_bias=False,
                        dtype=dtype).to(dtype)
@@ -122,7 +132,6 @@ def test_fused_decode_follows_weight_updates(monkeypatch):
         with torch.inference_mode():
             return mixer._fused_decode(x, meta) if fused else mixer(x, _decode_meta([1, 3]))
 
-    monkeypatch.setattr(cpu_kernels, "load", lambda: kernels)
     before = step(True)
     with torch.no_grad():
         mixer.D.mul_(3.0)

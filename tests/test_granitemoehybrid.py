@@ -1,6 +1,6 @@
 """GraniteMoeHybrid (Mamba2 + attention layers, top-k MoE with a shared expert, granite multipliers): greedy parity
-with transformers under chunked prefill, teacher-forced logits through the real caches, preemption by recompute,
-prefix-cache snapshots of the Mamba states, and an all-attention config that routes to the plain decoder state."""
+with transformers under chunked prefill, teacher-forced logits through the real caches, and an all-attention
+config that routes to the plain decoder state. Preemption and prefix-cache snapshots: test_hybrid_cache.py."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,6 @@ import torch
 from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.layers.attention import Attention
-from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states.default import DefaultModelState
 from stateserve.model_states.mamba_hybrid import MambaHybridModelState
 from stateserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM as Ours
@@ -69,50 +67,6 @@ def test_teacher_forced_logits(case, tmp_path):
         for chunk in (1, 7, 64):
             # float32 throughout: only summation order differs (scan chunking, SDPA vs eager attention)
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4)
-
-
-def cache_bytes(model) -> tuple[int, int]:
-    """(bytes of one recurrent-state slot, bytes of one 16-token KV block) over all layers of our model."""
-    slot = sum(m.cache_spec().bytes_per_slot() for m in model.modules() if isinstance(m, StatefulLayer))
-    block = sum(m.cache_spec().bytes_per_block(16) for m in model.modules() if isinstance(m, Attention))
-    return slot, block
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    # two attention layers: KV blocks weigh more against the Mamba state, so a small budget is KV-bound
-    hf, path = _build(tmp_path, layer_types=["mamba", "attention", "attention"])
-    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]  # 30 tokens each
-    slot, block = cache_bytes(Ours(hf.config, torch.float32))
-    # 4 state slots and 10 KV blocks: four running 54-token sequences need 16 blocks, so some get preempted
-    num_blocks = max(10, math.ceil(4 * slot / block))  # hybrids leave at least half of the budget to KV
-    assert num_blocks < 16
-    # reference: the same engine with room for every sequence (parity with transformers is tested above)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts],
-                                                              _params(24))]
-    with LLM(path, skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=32,
-             kv_cache_memory_bytes=4 * slot + num_blocks * block, enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(24))
-        assert llm.llm_engine.stats["preemptions"] > 0
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, prompts)
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
-
-
-def test_prefix_cache_snapshots(tmp_path):
-    """Mamba snapshots taken mid-chunk (block size 4) and resumed from must not change greedy output."""
-    hf, path = _build(tmp_path)
-    shared = list(range(30, 60))
-    first = [shared + [7, 8], shared[:13] + [9]]
-    second = [shared + [7, 8, 11], shared[:13] + [250, 3]]
-    ref = hf_greedy(hf, first + second, 6)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
-             mamba_cache_mode="all") as llm:
-        outs = [o for rnd in (first, second) for o in llm.generate([{"prompt_token_ids": p} for p in rnd],
-                                                                  _params(6))]
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, first + second)
-        assert min(o.num_cached_tokens for o in outs[len(first):]) >= 12  # really resumed from snapshots
-        llm.llm_engine.check_integrity()
 
 
 def test_all_attention_config_is_a_plain_decoder(tmp_path):

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from stateserve.runner import host_allocator
+from stateserve.platform import host_allocator
 
 pytestmark = pytest.mark.skipif(host_allocator._glibc() is None, reason="not glibc")
 
 _CHILD = """
 import resource, sys, torch
-from stateserve.runner import host_allocator
+from stateserve.platform import host_allocator
 tuned = host_allocator.tune()
 faults = []
 for _ in range(14):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from stateserve import envs
-from stateserve.cache import huge_pages
+from stateserve.platform import huge_pages
 
 pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="no madvise(MADV_HUGEPAGE) here")
 

@@ -1,6 +1,6 @@
 """Jamba (Mamba1 + attention hybrid with MoE): greedy parity with transformers under chunked prefill, teacher-forced
-logits through the real KV and state caches, preemption with recompute, layer-pattern config edges, and a
-checkpoint that loads name for name."""
+logits through the real KV and state caches, layer-pattern config edges, and a checkpoint that loads name for
+name. Preemption: test_hybrid_cache.py."""
 from __future__ import annotations
 
 import pytest
@@ -66,7 +66,7 @@ def test_greedy_parity_chunked(case, tmp_path):
                             SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
         assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS)
         # the runner planned paged KV for exactly the attention layers and state slots for the Mamba layers
-        storage, kinds = llm.llm_engine.runner.storage, hf.config.layers_block_type
+        storage, kinds = llm.llm_engine.runner.caches.storage, hf.config.layers_block_type
         attn_layers = [i for i, t in enumerate(kinds) if t == "attention"]
         assert sorted(storage.kv) == [f"model.layers.{i}.self_attn.attn" for i in attn_layers]
         assert sorted(storage.states) == [f"model.layers.{i}.mamba" for i in range(len(kinds)) if i not in attn_layers]
@@ -85,40 +85,6 @@ def test_teacher_forced_logits(case, tmp_path):
             # float32 throughout: only the scan's association order and the MoE sum order differ from
             # transformers (observed max error ~1e-4 on logits of magnitude ~15)
             torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4, msg=lambda m: f"chunk {chunk}: {m}")
-
-
-def _tight_budget(cfg: JambaConfig, num_blocks: int) -> int:
-    """A cache budget that leaves about `num_blocks` 16-token KV blocks after the state slots of a hybrid
-    (plan_caches gives states half the budget, rounded down to whole slots)."""
-    kinds = cfg.layers_block_type
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    block = kinds.count("attention") * 2 * 16 * cfg.num_key_value_heads * head_dim * 4
-    d_inner = cfg.mamba_expand * cfg.hidden_size
-    slot = kinds.count("mamba") * (d_inner * (cfg.mamba_d_conv - 1) + d_inner * cfg.mamba_d_state) * 4
-    budget = 2 * num_blocks * block
-    assert budget // 2 // slot >= 2, "the budget must hold at least two running sequences"
-    return budget
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    hf, path = _build(tmp_path)
-    prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)]} for i in range(6)]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    # six sequences of 50-65 tokens need four blocks each; about eight blocks exist, so some get preempted
-    # and recomputed from scratch (their state slots are freed and re-zeroed too)
-    budget = _tight_budget(hf.config, num_blocks=8)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False,
-             kv_cache_memory_bytes=budget) as tight:
-        outs = tight.generate(prompts, params)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        assert [o.outputs[0].token_ids for o in outs] == ref
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
-    # and the roomy run itself is transformers' greedy
-    ids = [p["prompt_token_ids"] for p in prompts[:2]]
-    assert_greedy_matches(ref[:2], hf_greedy(hf, ids, 30), hf, ids)
 
 
 def test_no_attention_layer_is_attention_free(tmp_path):

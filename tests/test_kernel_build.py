@@ -3,11 +3,13 @@ is unavailable, so without this check a source that no longer compiles would pas
 import os
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from stateserve import envs
-from stateserve.layers import cpu_kernels
+from stateserve.platform import cpu_kernels
 
 
 @pytest.mark.skipif(shutil.which("c++") is None or platform.machine() not in ("x86_64", "AMD64"),
@@ -103,3 +105,112 @@ def test_two_checkouts_build_into_two_folders():
     would find that build stale and recompile it on every start, each undoing the other's."""
     assert cpu_kernels.build_tag("/a/stateserve/csrc") == cpu_kernels.build_tag("/a/stateserve/csrc")
     assert cpu_kernels.build_tag("/a/stateserve/csrc")[0] != cpu_kernels.build_tag("/b/stateserve/csrc")[0]
+
+
+def test_without_the_module_the_table_sends_everything_to_pytorch():
+    """STATESERVE_CPU_KERNELS=0 or a failed build: no operation has a C++ kernel, and off the CPU nothing has one."""
+    import torch
+
+    from stateserve.platform import kernels
+
+    for table in (kernels.build(None), kernels.table(torch.device("meta"))):
+        assert table.module is None and table.lanes == 0
+        ops = [op for op in vars(table).values() if isinstance(op, kernels.Op)]
+        assert len(ops) > 15 and not any(op.kernels or op.default for op in ops)
+        for dtype in (torch.float32, torch.bfloat16):
+            routes = table.linear(dtype)
+            assert routes is None or (routes.few_row is None and routes.panel is None)
+            assert table.prefill_attention(dtype, dtype, 64) is None
+    assert kernels.table(torch.device("meta")).linear(torch.float32) is None
+    env = {**os.environ, "STATESERVE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", "from stateserve.platform import kernels; "
+                          "print(kernels.table().describe())"], env=env, capture_output=True, text=True, check=True)
+    assert "C++ kernels: none" in out.stdout
+
+
+def test_the_table_serves_the_modules_kernels_by_dtype():
+    import torch
+
+    from stateserve.platform import kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    table = kernels.table()
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert table.module is module and table.isa == module.compiled_isa() and table.lanes in (16, 8, 0)
+    assert table.rms_norm(f32, f32) is module.rms_norm and table.rms_norm(f32, bf16) is None
+    assert table.add_rms_norm(f32, bf16, bf16) is module.add_rms_norm_ and table.add_rms_norm(bf16, f32, f32) is None
+    assert table.decode_attention(f16, f16) is not None and table.decode_attention(f32, bf16) is None
+    assert table.write_kv(torch.int8) is module.write_kv_cache  # row copies: any dtype
+    assert table.mamba1_decode(bf16, bf16, f32) is module.mamba1_decode_
+    assert table.mamba1_decode(bf16, bf16, bf16) is None  # Mamba1's ssm state is float32
+    routes = table.linear(f32)
+    assert (routes.few_row is not None) == bool(module.fast_linear_supported(f32))
+    assert routes.max_rows_prepacked == (kernels.MAX_ROWS_PREPACKED_8_LANES if table.lanes == 8
+                                         else kernels.MAX_ROWS_PREPACKED)[f32]
+    assert table.linear(f16) is None
+    assert "\nrms_norm: float32/float32, bfloat16/bfloat16" in table.describe()
+
+
+def test_csrc_names_instruction_sets_and_kernels_once():
+    """csrc/isa.h is the one place that reads the compiler's ISA macros, and csrc/kernels.h the one that declares
+    kernels: no other file spells them its own way or copies a prototype."""
+    import re
+
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "..", "csrc")
+    sources = {n: open(os.path.join(csrc, n)).read() for n in os.listdir(csrc) if n.endswith((".h", ".cpp"))}
+    for name, text in sources.items():
+        if name != "isa.h":
+            assert not re.search(r"__(AVX|FMA|F16C|SSE)\w*__", text), f"{name} tests an ISA macro of its own"
+            assert not re.search(r"#\s*if(def|ndef)?\s+(!\s*)?defined\(\s*SS_HAS", text), name  # always 0 or 1
+    declared = re.findall(r"^\S[^(]*?\b(\w+)\(", sources["kernels.h"], re.M)
+    for name, text in sources.items():
+        if name != "kernels.h":
+            # a declaration at file scope: a type from the first column, the name, parameters, no body
+            copies = [k for k in declared if re.search(rf"^[A-Za-z_][\w:<>, *&]*\b{k}\([^;{{]*\);", text, re.M)]
+            assert not copies, f"{name} declares {copies} again"
+
+
+def _isa_variants() -> list[str]:
+    """The STATESERVE_CPU_ISA builds that differ from this CPU's native one (x86-64 only)."""
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None:
+        return []
+    flags = set(cpu_kernels.cpu_features().split())
+    native = "avx512_bf16" if {"avx512f", "avx512_bf16"} <= flags else "avx512" if "avx512f" in flags else \
+        "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    order = ["avx512_bf16", "avx512", "avx2", "scalar"]
+    return [v for v in order[order.index(native) + 1:] if v != "avx512" or {"avx512bw", "avx512vl"} <= flags]
+
+
+KERNEL_TESTS = ["test_cpu_kernels.py", "test_cpu_small_ops.py", "test_attention.py", "test_linear_kernel.py",
+                "test_packed_linear.py", "test_fused_decode.py"]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_kernel_tests_pass_with_fewer_instruction_sets(isa):
+    """Every path of the kernels is built and tested here, not only this CPU's: the kernel tests run again on a
+    module built without AVX-512's bfloat16 instructions (AVX-512 CPUs before Zen 4 / Cooper Lake), without
+    AVX-512 (Zen 3's AVX2 paths) and without AVX (the portable loops). The first run of each builds its module
+    (minutes; cached after)."""
+    if envs.STATESERVE_CPU_ISA != "native" or not envs.STATESERVE_CPU_KERNELS:
+        pytest.skip("runs from the native build's suite")
+    if isa not in _isa_variants():
+        pytest.skip(f"{isa} is this CPU's own build, or more than it has")
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "STATESERVE_CPU_ISA": isa}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                          f"{tests}/test_kernel_build.py::test_the_module_has_the_instruction_sets_asked_for",
+                          *(os.path.join(tests, t) for t in KERNEL_TESTS)],
+                         env=env, capture_output=True, text=True, cwd=os.path.dirname(tests))
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+def test_the_module_has_the_instruction_sets_asked_for():
+    if not envs.STATESERVE_CPU_KERNELS or cpu_kernels.load() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    isa = envs.STATESERVE_CPU_ISA
+    expected = {"avx512": "avx512", "avx2": "avx2", "scalar": "scalar"}.get(isa)
+    assert expected is None or cpu_kernels.load().compiled_isa() == expected
+    assert cpu_kernels.load().simd_float32_lanes() == {"avx512_bf16": 16, "avx512": 16, "avx2": 8, "scalar": 0}[
+        cpu_kernels.load().compiled_isa()]

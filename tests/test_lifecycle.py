@@ -103,8 +103,7 @@ def test_max_num_seqs_lowered_with_warning(llama_path, caplog):
 
 
 def test_prompt_that_can_never_fit_is_rejected(llama_path):
-    block_bytes = 2 * 16 * 2 * 8 * 4 * 2
-    with LLM(llama_path, skip_tokenizer_init=True, kv_cache_memory_bytes=3 * block_bytes) as llm:
+    with LLM(llama_path, skip_tokenizer_init=True, num_gpu_blocks_override=3) as llm:
         with pytest.raises(ValueError, match="needs 4 KV blocks"):
             llm.generate([{"prompt_token_ids": [5] * 60}])
         assert len(llm.generate([{"prompt_token_ids": [5] * 20}])) == 1
@@ -145,12 +144,12 @@ def test_profile_runs_for_every_kind(kind, tmp_path_factory, caplog):
                 assert runner.activation_source == "measured", runner.activation_source
                 assert "Activation memory:" in caplog.text and "dummy forward of 256 tokens" in caplog.text
                 assert len(model_runner._cpu_profiles) == 1  # kept: the next engine of this config skips it
-            if runner.storage is not None:  # nothing of the dummy forward is left in any cache
-                for t in [t for kv in runner.storage.kv.values() for t in kv] + \
-                         [t for layer in runner.storage.states.values() for t in layer.values()]:
+            if runner.caches.storage is not None:  # nothing of the dummy forward is left in any cache
+                for t in [t for kv in runner.caches.storage.kv.values() for t in kv] + \
+                         [t for layer in runner.caches.storage.states.values() for t in layer.values()]:
                     assert not t.any()
             for m in runner.model.modules():
-                if hasattr(m, "states") and runner.storage is not None and not runner.storage.states:
+                if hasattr(m, "states") and runner.caches.storage is not None and not runner.caches.storage.states:
                     assert m.states is None  # temporary profile states were unbound
     if kind == "bert":
         with LLM(path, skip_tokenizer_init=True) as llm:
@@ -206,7 +205,8 @@ def test_linear_packing_switch_and_memory_guard(llama_path, monkeypatch, caplog,
     way."""
     import torch
 
-    from stateserve.layers import cpu_kernels, linear
+    from stateserve.layers import linear
+    from stateserve.platform import cpu_kernels
     from stateserve.runner import model_runner
 
     kernels = cpu_kernels.load()

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import MAX_ROWS, FastLinear, _onednn_linear, _runs, install_fast_linear
+from stateserve.layers.linear import FastLinear, install_fast_linear
+from stateserve.platform import cpu_kernels, kernels as kernel_table
+from stateserve.platform.kernels import MAX_ROWS, UPCAST_MIN_ROWS, computes_linear, onednn_linear
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -69,13 +70,20 @@ def test_fast_linear_module_routes_by_rows_and_grad():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8, bias=False))
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    assert install_fast_linear(model, torch.float32, torch.device("cpu")) == 2
-    assert all(isinstance(m, FastLinear) for m in (model[0], model[2]))
-    assert model.state_dict().keys() == reference.keys()  # same parameters, same names
     calls = []
-    real = kernels.fast_linear
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "fast_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+
+    class Spy:  # counts the few-row kernel's calls, forwards everything else
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def fast_linear(self, *args):
+            calls.append(args[0].shape[0])
+            return kernels.fast_linear(*args)
+
+    with kernel_table.using(kernel_table.build(Spy())):
+        assert install_fast_linear(model, torch.float32, torch.device("cpu")) == 2
+        assert all(isinstance(m, FastLinear) for m in (model[0], model[2]))
+        assert model.state_dict().keys() == reference.keys()  # same parameters, same names
         x = torch.randn(3, 5, 32)  # 15 rows in a 3-d batch
         with torch.no_grad():
             out = model(x)
@@ -91,14 +99,14 @@ def test_fast_linear_module_routes_by_rows_and_grad():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_products_go_through_onednn_and_match_f_linear(dtype):
-    onednn = _onednn_linear(dtype)
+    onednn = onednn_linear(dtype)
     if onednn is None:
         pytest.skip(f"no oneDNN linear for {dtype} here (bfloat16 needs AVX-512)")
     torch.manual_seed(0)
     layer = nn.Linear(384, 1152).to(dtype)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     install_fast_linear(layer, dtype, torch.device("cpu"))
-    assert layer.onednn is onednn
+    assert layer.routes.onednn is onednn
     x = torch.randn(3, 100, 384).to(dtype)  # 300 rows, past max_rows
     with torch.no_grad():
         out = layer(x)
@@ -130,27 +138,24 @@ def test_a_op_that_refuses_a_dtype_is_not_used_for_it():
             raise RuntimeError("could not create a primitive descriptor for the inner product")
         return F.linear(x, w, bias)
 
-    assert _runs(refuses_bfloat16, torch.float32)
-    assert not _runs(refuses_bfloat16, torch.bfloat16)
-    assert not _runs(lambda x, w, *args: F.linear(x, w) + 1, torch.float32)  # wrong answers are refused too
+    assert computes_linear(refuses_bfloat16, torch.float32)
+    assert not computes_linear(refuses_bfloat16, torch.bfloat16)
+    assert not computes_linear(lambda x, w, *args: F.linear(x, w) + 1, torch.float32)  # wrong answers: refused too
 
 
 def test_bfloat16_without_any_fast_path_computes_in_float32_and_says_so(monkeypatch, caplog):
-    """An AVX2-only CPU: oneDNN refuses bfloat16 and PyTorch's own bfloat16 matmul crawls, so many rows upcast."""
-    import stateserve.layers.linear as linear
-
-    monkeypatch.setattr(linear, "_onednn_linear", lambda dtype: None)
-    monkeypatch.setattr(linear.cpu_kernels, "load", lambda: None)
-    with caplog.at_level("WARNING", logger="stateserve"):
+    """An AVX2-only CPU without the C++ kernels: oneDNN refuses bfloat16 and PyTorch's own bfloat16 matmul crawls,
+    so many rows upcast."""
+    with kernel_table.using(kernel_table.build(None, onednn=False)), caplog.at_level("WARNING", logger="stateserve"):
         assert install_fast_linear(nn.Linear(4, 4), torch.float32, torch.device("cpu")) == 0
         assert not caplog.records
         torch.manual_seed(0)
         layer = nn.Linear(64, 48).bfloat16()
         assert install_fast_linear(layer, torch.bfloat16, torch.device("cpu")) == 1
-    assert "float32" in caplog.records[0].getMessage() and layer.upcast
+    assert "float32" in caplog.records[0].getMessage() and layer.routes.upcast
     calls, plain_linear = [], F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: calls.append(x.dtype) or plain_linear(x, w, b))
-    for rows in (1, linear.UPCAST_MIN_ROWS - 1, linear.UPCAST_MIN_ROWS, 100):
+    for rows in (1, UPCAST_MIN_ROWS - 1, UPCAST_MIN_ROWS, 100):
         x = torch.randn(rows, 64).bfloat16()
         with torch.no_grad():
             out = layer(x)

@@ -75,8 +75,8 @@ def test_fused_decode_layer_matches_op_by_op(kind, dtype, tmp_path, monkeypatch)
     """decoder_layer_decode_ (a whole layer's decode step in one call) calls the kernels the layer calls op by op:
     teacher-forced decode logits are identical with the fused path on and off, and the fused kernel ran for every
     layer of every decode step."""
-    from stateserve.layers import cpu_kernels
-    from stateserve.models.llama import DecoderLayer
+    from stateserve.layers.decoder_layer import DecoderLayer
+    from stateserve.platform import cpu_kernels, kernels as kernel_table
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("C++ CPU kernels unavailable")
@@ -92,8 +92,7 @@ def test_fused_decode_layer_matches_op_by_op(kind, dtype, tmp_path, monkeypatch)
             calls.append(1)
             return kernels.decoder_layer_decode_(*args)
 
-    monkeypatch.setattr(cpu_kernels, "load", lambda: Spy())
-    with LLM(path, skip_tokenizer_init=True, dtype=dtype) as llm:
+    with kernel_table.using(kernel_table.build(Spy())), LLM(path, skip_tokenizer_init=True, dtype=dtype) as llm:
         fused = engine_teacher_forced_logits(llm, tokens, 1)
         assert len(calls) == (len(tokens) - 1) * BASE["num_hidden_layers"]  # the first token is a prefill
         monkeypatch.setattr(DecoderLayer, "_fused_decode", lambda *args: None)

@@ -87,7 +87,7 @@ def test_bfloat16_logits(tmp_path):
         torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 64), ref, atol=2e-2, rtol=1e-2)
         # resumed steps re-chunk the float32 scan; bf16 out_proj rounding makes that ~1 ulp of logits (|x| < 16)
         torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 7), ref, atol=0.25, rtol=2e-2)
-        state = llm.llm_engine.runner.storage.states["backbone.layers.0.mixer"]  # the default (auto) keeps the
+        state = llm.llm_engine.runner.caches.storage.states["backbone.layers.0.mixer"]  # the default (auto) keeps the
         assert state["conv"].dtype == torch.bfloat16 and state["ssm"].dtype == torch.bfloat16  # model dtype
 
 
@@ -103,7 +103,7 @@ def test_bfloat16_ssm_state_option(choice, tmp_path):
         reference = engine_teacher_forced_logits(llm, tokens, 1)
     with LLM(path, skip_tokenizer_init=True, dtype=dtype, mamba_ssm_cache_dtype=choice, block_size=4,
              max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
-        state = llm.llm_engine.runner.storage.states["backbone.layers.0.mixer"]
+        state = llm.llm_engine.runner.caches.storage.states["backbone.layers.0.mixer"]
         assert state["ssm"].dtype == torch.bfloat16
         got = engine_teacher_forced_logits(llm, tokens, 1)  # every token a decode step on the rounded state
         assert not torch.equal(got, reference)
@@ -128,7 +128,7 @@ def test_ssm_state_option_refused_by_float32_only_layers_and_checked(tmp_path):
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype=bfloat16: MambaMixer keeps its state in float32"):
         LLM(path, skip_tokenizer_init=True, mamba_ssm_cache_dtype="bfloat16")
     with LLM(path, skip_tokenizer_init=True, dtype="bfloat16") as llm:  # the default, auto: float32 for Mamba1
-        state = llm.llm_engine.runner.storage.states["backbone.layers.0.mixer"]
+        state = llm.llm_engine.runner.caches.storage.states["backbone.layers.0.mixer"]
         assert state["conv"].dtype == torch.bfloat16 and state["ssm"].dtype == torch.float32
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be float32, bfloat16 or auto"):
         LLM(path, skip_tokenizer_init=True, mamba_ssm_cache_dtype="fp8")

@@ -1,7 +1,7 @@
 """NemotronH (Mamba2 / attention / MLP / MoE blocks from a layer pattern): greedy parity with transformers under
-chunked prefill, teacher-forced logits through the real caches (with the dt clamp binding), preemption with
-recompute, state checkpoints through the whole model, pattern edges (attention first, all-Mamba), MoE options,
-and weight names that load 1:1."""
+chunked prefill, teacher-forced logits through the real caches (with the dt clamp binding), state checkpoints
+through the whole model, pattern edges (attention first, all-Mamba), MoE options, and weight names that load
+1:1. Preemption: test_hybrid_cache.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.layers.attention import Attention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
 from stateserve.models.loader import iterate_safetensors, load_weights
@@ -135,36 +134,6 @@ def test_teacher_forced_logits(case, tmp_path):
             torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4, msg=lambda m: f"chunk {chunk}: {m}")
 
 
-def _tight_budget(cfg: NemotronHConfig, num_blocks: int) -> int:
-    """A budget leaving about `num_blocks` 16-token KV blocks after the state slots (plan_caches gives the
-    states of a hybrid half the budget, rounded down to whole slots)."""
-    model = OurNemotronH(cfg, torch.float32)
-    block = sum(m.cache_spec().bytes_per_block(16) for m in model.modules() if isinstance(m, Attention))
-    slot = sum(m.cache_spec().bytes_per_slot() for m in model.modules() if isinstance(m, Mamba2Mixer))
-    budget = 2 * num_blocks * block
-    assert budget // 2 // slot >= 2, "the budget must hold at least two running sequences"
-    return budget
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    hf, path = _build(tmp_path, hybrid_override_pattern="M*-*", head_dim=16)  # KV, not state slots, runs out
-    prompts = [{"prompt_token_ids": [(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)]} for i in range(6)]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
-    # six sequences of 50-65 tokens need four blocks each; about eight exist, so some are preempted and
-    # recomputed from scratch (their state slots are freed and re-zeroed too)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False,
-             kv_cache_memory_bytes=_tight_budget(hf.config, num_blocks=8)) as tight:
-        outs = tight.generate(prompts, params)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        assert [o.outputs[0].token_ids for o in outs] == ref
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
-    ids = [p["prompt_token_ids"] for p in prompts[:2]]  # and the roomy run itself is transformers' greedy
-    assert_greedy_matches(ref[:2], hf_greedy(hf, ids, 30), hf, ids)
-
-
 def _prefill_meta(n: int, slot: int, checkpoints=()) -> ForwardMeta:
     """One fresh sequence of n tokens; attention runs without a KV cache (none is bound)."""
     attn = AttnMetadata(query_start_loc=[0, n], query_lens=[n], context_lens=[0], seq_lens=[n],
@@ -208,7 +177,7 @@ def test_all_mamba_pattern_is_attention_free(tmp_path):
     ref = [_greedy_without_cache(hf, p, 6) for p in prompts]
     with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
         assert llm.llm_engine.model_config.is_attention_free
-        assert not llm.llm_engine.runner.storage.kv  # no KV cache planned at all
+        assert not llm.llm_engine.runner.caches.storage.kv  # no KV cache planned at all
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, prompts)

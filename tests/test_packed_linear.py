@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stateserve.layers import cpu_kernels
-from stateserve.layers.linear import PANEL_COLUMNS, install_fast_linear, max_rows_prepacked, prepack_fast_linear
+from stateserve.layers.linear import PANEL_COLUMNS, install_fast_linear, prepack_fast_linear
+from stateserve.platform import cpu_kernels, kernels as kernel_table
 
 kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -90,11 +90,23 @@ def test_packed_weights_route_match_and_follow_weight_changes(dtype):
     a weight written in place or replaced after packing is packed again, never served stale."""
     _skip_unless(dtype)
     torch.manual_seed(0)
+    calls = []
+
+    class Spy:  # records the panel kernel's calls, forwards everything else
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def packed_linear(self, x, p, *args):
+            calls.append((x.shape[0], p))
+            return kernels.packed_linear(x, p, *args)
+
     layer = nn.Linear(96, 200).to(dtype).requires_grad_(False)
-    install_fast_linear(layer, dtype, torch.device("cpu"))
+    with kernel_table.using(kernel_table.build(Spy())) as table:
+        install_fast_linear(layer, dtype, torch.device("cpu"))
+    few = table.linear(dtype).max_rows_prepacked
     assert prepack_fast_linear(layer) == 5 * (96 // (2 if dtype == torch.bfloat16 else 1)) * PANEL_COLUMNS * 4
     assert layer.packed is not None and layer.packed.dtype == torch.int32
-    assert layer.max_rows == max_rows_prepacked(dtype)
+    assert layer.max_rows == few
     x = torch.randn(40, 96).to(dtype)
 
     def check() -> None:
@@ -103,14 +115,10 @@ def test_packed_weights_route_match_and_follow_weight_changes(dtype):
 
     check()
     packed = layer.packed
-    calls = []
-    real = kernels.packed_linear
-    few = max_rows_prepacked(dtype)
-    with pytest.MonkeyPatch.context() as mp:  # 40 rows and few + 1 through the panel copy, `few` through the other
-        mp.setattr(kernels, "packed_linear", lambda x, p, *a: calls.append((x.shape[0], p)) or real(x, p, *a))
-        layer(x)
-        layer(x[:few + 1])
-        layer(x[:few])
+    calls.clear()
+    layer(x)  # 40 rows and few + 1 through the panel copy, `few` through the other kernel
+    layer(x[:few + 1])
+    layer(x[:few])
     assert [n for n, _ in calls] == [40, few + 1] and all(p is packed for _, p in calls)
     layer.weight.mul_(-1)  # in place (a weight reload copies into the parameter)
     check()

@@ -17,7 +17,8 @@ from transformers import LlamaConfig
 from stateserve import LLM, ModelRegistry, SamplingParams
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
-from stateserve.model_states import CrossAttentionMarker, EncoderOnlyAttentionMarker, resolve_model_state_cls
+from stateserve.layers.markers import CrossAttentionMarker, EncoderOnlyAttentionMarker
+from stateserve.model_states import resolve_model_state_cls
 from stateserve.model_states.default import DefaultModelState
 from stateserve.models.base import ModelBase
 
@@ -153,7 +154,7 @@ def test_hook_wins_over_every_route():
     for hybrid, af in [(False, False), (True, False), (False, True), (True, True)]:
         assert resolve_model_state_cls(model, is_hybrid=hybrid, is_attention_free=af) is RunningSumState
     # the same modules without the hook go elsewhere: cross-attention first, then encoder-only
-    holder = nn.Module()
+    holder = ModelBase(None)
     holder.cross, holder.encoder_attn = model.cross, model.encoder_attn
     assert resolve_model_state_cls(holder, is_hybrid=False, is_attention_free=False).__name__ == \
         "EncoderDecoderModelState"
@@ -169,9 +170,9 @@ def test_plugin_state_drives_generation(registration, toy_path):
     max_new = 9
     # a small token budget splits the long prompts into chunks: the running sum must carry across them
     with LLM(toy_path, skip_tokenizer_init=True, max_num_batched_tokens=8, max_num_seqs=3) as llm:
-        state = llm.llm_engine.model_state
+        state = llm.llm_engine.runner.model_state
         assert type(state) is RunningSumState
-        assert llm.llm_engine.runner.storage.kv, "the toy's attention layer gets paged KV from the default state"
+        assert llm.llm_engine.runner.caches.storage.kv, "the toy's attention layer gets paged KV from the default state"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == [_expected(p, max_new) for p in prompts]

@@ -165,7 +165,7 @@ def test_reused_slot_is_zeroed(kind_path):
         ref_b = run(llm, [b])[0].outputs[0].token_ids
         run(llm, [a])
         assert run(llm, [b])[0].outputs[0].token_ids == ref_b  # b's slot was a's: its state must not leak
-        storage = llm.llm_engine.runner.storage
+        storage = llm.llm_engine.runner.caches.storage
         slot = llm.llm_engine.cache.slot_pool.allocate()
         assert all(float(t[slot].abs().sum()) == 0 for layer in storage.states.values() for t in layer.values())
         llm.llm_engine.cache.slot_pool.free(slot)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from stateserve.model_states import CrossAttentionMarker, EncoderOnlyAttentionMarker, resolve_model_state_cls
+from stateserve.layers.markers import CrossAttentionMarker, EncoderOnlyAttentionMarker
+from stateserve.model_states import resolve_model_state_cls
+from stateserve.models.base import ModelBase
 from stateserve.model_states.default import DefaultModelState
 from stateserve.model_states.interface import ModelState
 from stateserve.model_states.mamba_hybrid import MambaHybridModelState
@@ -24,10 +26,10 @@ class Own(ModelState):
 
 
 def model_with(*children, hook=False):
-    cls = type("Fake", (nn.Module,), {})
+    cls = type("Fake", (ModelBase,), {})
     if hook:
         cls.get_model_state_cls = staticmethod(lambda: Own)
-    m = cls()
+    m = cls(None)
     for i, c in enumerate(children):
         m.add_module(f"m{i}", c)
     return m

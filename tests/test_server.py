@@ -19,7 +19,8 @@ import uvicorn
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stateserve.config import EngineConfig
-from stateserve.engine.llm_engine import LLMEngine, load_tokenizer
+from stateserve.engine.llm_engine import LLMEngine
+from stateserve.engine.loading import load_tokenizer
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.server import GracefulServer, bind_socket, build_app
 from utils import build_hf_model, hf_greedy, save_model, start_server

@@ -368,28 +368,21 @@ def test_tokenizing_runs_off_the_event_loop_and_long_text_is_refused_before_it()
 
 
 def test_a_submission_that_fails_half_way_leaves_nothing_queued():
-    """The server's own guarantee, whatever the engine does: prompt 0 is added, prompt 1's second sample fails
-    after its first was queued; both prompts' samples are aborted and forgotten, and the error goes on up."""
+    """The server's own guarantee: prompt 0 is queued, queueing prompt 1 fails (add_prepared queues a group whole
+    or not at all); prompt 0's samples are aborted and forgotten, and the error goes on up."""
     from types import SimpleNamespace
 
     from stateserve.entrypoints.submission import add_all
 
-    class HalfAddingEngine:
+    class FailingEngine:
         def __init__(self):
             self.groups, self.requests, self.aborted = {}, {}, []
 
-        def validate_prompt(self, ids):
-            pass
-
-        def add_request(self, gid, ids, params, prompt=None, fairness_key=None):
-            children = []
-            for i in range(params.n):
-                if gid == "g1" and i == 1:
-                    raise ValueError("sample 1 cannot be added")
-                child = SimpleNamespace(request_id=f"{gid}#{i}", group_id=gid)
-                self.requests[child.request_id] = child
-                children.append(child)
-            self.groups[gid] = children
+        def add_prepared(self, children):
+            if children[0].group_id == "g1":
+                raise ValueError("g1 cannot be added")
+            self.groups[children[0].group_id] = children
+            self.requests.update((c.request_id, c) for c in children)
 
         def abort_request(self, gid):
             self.aborted += [r.request_id for r in self.groups[gid]]
@@ -398,8 +391,11 @@ def test_a_submission_that_fails_half_way_leaves_nothing_queued():
             for r in self.groups.pop(gid):
                 self.requests.pop(r.request_id)
 
-    engine = HalfAddingEngine()
-    with pytest.raises(ValueError, match="sample 1"):
-        add_all(engine, ["g0", "g1"], [(None, [1]), (None, [2])], SamplingParams(n=2))
+    def group(gid):
+        return [SimpleNamespace(request_id=f"{gid}#{i}", group_id=gid) for i in range(2)]
+
+    engine = FailingEngine()
+    with pytest.raises(ValueError, match="g1 cannot"):
+        add_all(engine, [group("g0"), group("g1"), group("g2")])
     assert engine.groups == {} and engine.requests == {}
-    assert sorted(engine.aborted) == ["g0#0", "g0#1", "g1#0"]
+    assert sorted(engine.aborted) == ["g0#0", "g0#1"]

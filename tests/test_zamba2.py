@@ -1,6 +1,7 @@
 """Zamba2 (Mamba2 layers + shared transformer blocks reused at several depths, per-depth LoRA adapters): greedy
 parity with transformers under chunked prefill, teacher-forced logits through the real caches, one KV cache per
-use-depth of a shared block, preemption by recompute, prefix-cache snapshots, and weight-name mapping."""
+use-depth of a shared block, and weight-name mapping. Preemption and prefix-cache snapshots:
+test_hybrid_cache.py."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,6 @@ import torch
 from transformers import Zamba2Config, Zamba2ForCausalLM
 
 from stateserve import LLM, SamplingParams
-from stateserve.layers.attention import Attention
-from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states.mamba_hybrid import MambaHybridModelState
 from stateserve.models.zamba2 import Zamba2ForCausalLM as Ours
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
@@ -108,60 +107,17 @@ def test_each_depth_has_its_own_kv_cache(tmp_path):
     hf, path = _build(tmp_path)
     with LLM(path, skip_tokenizer_init=True) as llm:
         runner = llm.llm_engine.runner
-        assert sorted(runner.storage.kv) == ["model.layers.1.attn", "model.layers.2.attn", "model.layers.3.attn"]
+        assert sorted(runner.caches.storage.kv) == ["model.layers.1.attn", "model.layers.2.attn", "model.layers.3.attn"]
         layers = runner.model.model.layers
         assert layers[1].shared_transformer is layers[3].shared_transformer  # block 0's weights, used twice
         assert layers[2].shared_transformer is not layers[1].shared_transformer
         assert layers[1].attn is not layers[3].attn
         engine_teacher_forced_logits(llm, list(range(3, 40)), 64)
-        k1, k3 = runner.storage.kv["model.layers.1.attn"][0], runner.storage.kv["model.layers.3.attn"][0]
+        k1, k3 = runner.caches.storage.kv["model.layers.1.attn"][0], runner.caches.storage.kv["model.layers.3.attn"][0]
         assert k1.abs().sum() > 0 and k3.abs().sum() > 0 and not torch.allclose(k1, k3)
         # no weight stored twice: parameters are those of 2 blocks, not 3 uses
         shared = {n for n, _ in runner.model.named_parameters() if ".shared_transformer." in n}
         assert {n.split(".")[2] for n in shared} == {"1", "2"}
-
-
-def cache_bytes(model) -> tuple[int, int]:
-    """(bytes of one recurrent-state slot, bytes of one 16-token KV block) over all layers of our model."""
-    slot = sum(m.cache_spec().bytes_per_slot() for m in model.modules() if isinstance(m, StatefulLayer))
-    block = sum(m.cache_spec().bytes_per_block(16) for m in model.modules() if isinstance(m, Attention))
-    return slot, block
-
-
-def test_preemption_recompute_gives_same_tokens(tmp_path):
-    hf, path = _build(tmp_path)
-    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(4)]  # 30 tokens each
-    slot, block = cache_bytes(Ours(hf.config, torch.float32))
-    # 4 state slots and 10 KV blocks: four running 46-token sequences need 12 blocks, so some get preempted
-    num_blocks = max(10, math.ceil(4 * slot / block))  # hybrids leave at least half of the budget to KV
-    assert num_blocks < 12
-    # reference: the same engine with room for every sequence (parity with transformers is tested above)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, enable_prefix_caching=False) as roomy:
-        ref = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts],
-                                                              _params(16))]
-    with LLM(path, skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=32,
-             kv_cache_memory_bytes=4 * slot + num_blocks * block, enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(16))
-        assert llm.llm_engine.stats["preemptions"] > 0
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, prompts)
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
-
-
-def test_prefix_cache_snapshots(tmp_path):
-    """Mamba snapshots taken mid-chunk (block size 4) and resumed from must not change greedy output."""
-    hf, path = _build(tmp_path)
-    shared = list(range(30, 60))
-    first = [shared + [7, 8], shared[:13] + [9]]
-    second = [shared + [7, 8, 11], shared[:13] + [250, 3]]
-    ref = hf_greedy(hf, first + second, 6)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
-             mamba_cache_mode="all") as llm:
-        outs = [o for rnd in (first, second) for o in llm.generate([{"prompt_token_ids": p} for p in rnd],
-                                                                  _params(6))]
-        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, first + second)
-        assert min(o.num_cached_tokens for o in outs[len(first):]) >= 12  # really resumed from snapshots
-        llm.llm_engine.check_integrity()
 
 
 def test_weight_names_flags_and_config_checks():

@@ -81,9 +81,9 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 def engine_teacher_forced_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Feed `token_ids` through the real engine caches in chunks of `chunk` tokens; logits of every position."""
-    from stateserve.engine.request import Request
-    from stateserve.engine.scheduler import SchedulerOutput
-    from stateserve.runner.input_batch import build_input_batch
+    from stateserve.core.request import Request
+    from stateserve.core.batch import SchedulerOutput
+    from stateserve.core.batch import build_input_batch
     from stateserve.sampling_params import SamplingParams
 
     engine = llm.llm_engine
@@ -168,3 +168,16 @@ def start_server(model: str, *args: str, env: dict[str, str] | None = None,
             proc.kill()
             raise AssertionError("server subprocess did not come up:\n" + "".join(lines))
         time.sleep(0.1)
+
+
+def assert_cache_sized(llm, num_blocks: int, max_num_seqs: int | None = None) -> None:
+    """The engine planned exactly `num_blocks` KV blocks, every one usable by requests but the one kept back for
+    CUDA-graph padding rows where decode graphs are captured; given max_num_seqs, that many sequences run at once,
+    each with its state slot where the model has recurrent state."""
+    caches = llm.llm_engine.runner.caches
+    assert caches.plan.num_blocks == num_blocks, caches.plan
+    assert llm.llm_engine.cache.max_blocks() == num_blocks - (caches.scratch_block is not None), caches.plan
+    if max_num_seqs is not None:
+        assert llm.llm_engine.runner.max_num_seqs == max_num_seqs, caches.plan
+        if caches.manager.slot_pool is not None:
+            assert caches.manager.slot_pool.num_slots == max_num_seqs, caches.plan

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stateserve.cache import huge_pages
+from stateserve.platform import huge_pages
 from stateserve.cache.spec import KVCacheSpec, StateSpec
 
 logger = logging.getLogger("stateserve")
@@ -23,9 +23,11 @@ class CachePlan:
 
 
 def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], *, budget_bytes: int,
-                block_size: int, max_num_seqs: int, max_model_len: int, num_extra_slots: int = 0) -> CachePlan:
+                block_size: int, max_num_seqs: int, max_model_len: int, num_extra_slots: int = 0,
+                num_blocks_override: int | None = None) -> CachePlan:
     """Split one budget: recurrent layers get a slot per running sequence (plus snapshot slots),
-    attention layers get KV blocks from what remains. Block size is never inflated to match states."""
+    attention layers get KV blocks from what remains. Block size is never inflated to match states.
+    num_blocks_override: exactly that many KV blocks, whatever the budget (tests size caches in blocks)."""
     slot_bytes = sum(s.bytes_per_slot() for s in state_specs.values())
     block_bytes = sum(s.bytes_per_block(block_size) for s in kv_specs.values())
     num_slots = 0
@@ -46,6 +48,8 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
         blocks_per_seq = math.ceil(max_model_len / block_size)
         remaining = budget_bytes - num_slots * slot_bytes
         num_blocks = min(remaining // block_bytes, max_num_seqs * blocks_per_seq + 1)
+        if num_blocks_override is not None:
+            num_blocks = num_blocks_override
         if num_blocks < 1:
             raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one KV block "
                              f"({block_bytes} bytes); raise kv_cache_memory_bytes")
@@ -59,7 +63,7 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A cache tensor (one layer's K or V blocks, or a group's state slots), zeroed; on CPU on huge pages where the
-    kernel allows (see cache/huge_pages.py)."""
+    kernel allows (see platform/huge_pages.py)."""
     if device.type == "cpu":
         tensor = huge_pages.zeros(shape, dtype)
         if tensor is not None:

@@ -6,7 +6,7 @@
 #include <array>
 #include <cstring>
 #include <type_traits>
-#include "conv_update.h"
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -27,36 +27,33 @@ struct ConvOut {
     else if (kind == ConvOutput::kSilu) y[i] = static_cast<T>(silu_rounded<T>(v));
     else y_f32[i] = silu_rounded<T>(v);
   }
-#if defined(__AVX512F__)
-  void put16(__m512 v) const {
+#if SS_HAS_SIMD
+  void put_vec(int64_t i, stateserve_simd::VecF v) const {  // W channels from i
     using namespace stateserve_simd;
-    if (kind == ConvOutput::kSiluFloat32) _mm512_storeu_ps(y_f32, silu_rounded_ps<T>(v));
-    else store16(y, kind == ConvOutput::kSilu ? silu_rounded_ps<T>(v) : v);
-  }
-#elif defined(STATESERVE_SIMD_AVX2)
-  void put8(int64_t h, __m256 v) const {
-    using namespace stateserve_simd;
-    if (kind == ConvOutput::kSiluFloat32) _mm256_storeu_ps(y_f32 + h, silu_rounded_ps<T>(v));
-    else store8(y + h, kind == ConvOutput::kSilu ? silu_rounded_ps<T>(v) : v);
+    if (kind == ConvOutput::kSiluFloat32) F32Vec::store(y_f32 + i, silu_rounded_ps<T>(v));
+    else F32Vec::store_to(y + i, kind == ConvOutput::kSilu ? silu_rounded_ps<T>(v) : v);
   }
 #endif
 };
 
-#if defined(__AVX512F__)
-// The conv output of 16 channels from their W + 1 inputs, one float32 vector per tap (tap[W]: the new input):
-// products and sums rounded as the scalar path rounds them; bias: 16 float32 values or nullptr.
+#if SS_HAS_SIMD
+// The conv outputs of 16 channels from their W + 1 inputs, for each vector of channels c0 one float32 vector per tap
+// (tap[c0 / lanes][k]; k = W: the new input): products and sums rounded as the scalar path rounds them; bias: 16
+// float32 values or nullptr.
 template <typename T>
-inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int64_t ldw, const float* bias,
-                             bool float_accumulate, const ConvOut<T>& y) {
+inline void conv_16_channels(const stateserve_simd::VecF (*tap)[9], int64_t W, const float* wt, int64_t ldw,
+                             const float* bias, bool float_accumulate, const ConvOut<T>& y) {
   using namespace stateserve_simd;
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k <= W; ++k) {
-    const __m512 prod = _mm512_mul_ps(tap[k], _mm512_loadu_ps(wt + k * ldw));
-    acc = _mm512_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+  using V = F32Vec;
+  for (int64_t c0 = 0; c0 < 16; c0 += V::kWidth) {
+    VecF acc = V::zero();
+    for (int64_t k = 0; k <= W; ++k) {
+      const VecF prod = V::mul(tap[c0 / V::kWidth][k], V::load(wt + k * ldw + c0));
+      acc = V::add(acc, float_accumulate ? prod : round_to_ps<T>(prod));
+    }
+    const VecF b = bias ? V::load(bias + c0) : V::zero();
+    y.put_vec(c0, V::add(float_accumulate ? acc : round_to_ps<T>(acc), b));
   }
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 out = _mm512_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-  y.put16(out);
 }
 #endif
 
@@ -66,45 +63,28 @@ inline void conv_16_channels(const __m512* tap, int64_t W, const float* wt, int6
 template <typename T>
 bool conv_update_simd(const T* rows, const T* x, const float* wt, const float* bias, int64_t ldw, int64_t W,
                       bool float_accumulate, const ConvOut<T>& y) {
-#if defined(__AVX512F__)
+#if SS_HAS_SIMD
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    using V = F32Vec;
     constexpr int64_t kMaxW = 8;
     if (W > kMaxW) return false;
     alignas(64) float win[kMaxW][16];
     for (int j = 0; j < 16; ++j)
       for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
-    __m512 tap[kMaxW + 1];
-    for (int64_t k = 0; k < W; ++k) tap[k] = _mm512_load_ps(win[k]);
-    tap[W] = stateserve_simd::load16(x);
-    conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y);
-    return true;
-  }
-#elif defined(STATESERVE_SIMD_AVX2)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {  // two halves of 8 channels
-    using namespace stateserve_simd;
-    constexpr int64_t kMaxW = 8;
-    if (W > kMaxW) return false;
-    alignas(32) float win[kMaxW][16];
-    for (int j = 0; j < 16; ++j)
-      for (int64_t k = 0; k < W; ++k) win[k][j] = static_cast<float>(rows[j * W + k]);
-    for (int h = 0; h < 16; h += 8) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t k = 0; k <= W; ++k) {
-        const __m256 v = k < W ? _mm256_load_ps(win[k] + h) : load8(x + h);
-        const __m256 prod = _mm256_mul_ps(v, _mm256_loadu_ps(wt + k * ldw + h));
-        acc = _mm256_add_ps(acc, float_accumulate ? prod : round_to_ps<T>(prod));
-      }
-      const __m256 b = bias ? _mm256_loadu_ps(bias + h) : _mm256_setzero_ps();
-      const __m256 out = _mm256_add_ps(float_accumulate ? acc : round_to_ps<T>(acc), b);
-      y.put8(h, out);
+    VecF tap[16 / V::kWidth][kMaxW + 1];
+    for (int64_t c0 = 0; c0 < 16; c0 += V::kWidth) {
+      for (int64_t k = 0; k < W; ++k) tap[c0 / V::kWidth][k] = V::load(win[k] + c0);
+      tap[c0 / V::kWidth][W] = V::load_from(x + c0);
     }
+    conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y);
     return true;
   }
 #endif
   return false;
 }
 
-#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+#if SS_HAS_AVX512_BW
 // bfloat16 windows of at most 4 inputs (conv kernels up to 5): the 16 channels' windows are 16 * W <= 64
 // consecutive words, two registers. One word permutation puts them window-major (16 channels per window: one
 // vector per tap) and another puts the shifted windows back, instead of 16 * W scalar conversions in and a
@@ -155,8 +135,8 @@ bool conv_update_bf16_small_window(at::BFloat16* rows, const at::BFloat16* x, co
   raw[2] = _mm512_castsi512_si256(taps23);
   raw[3] = _mm512_extracti64x4_epi64(taps23, 1);
   raw[W] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));  // the new input is the last tap
-  __m512 tap[5];
-  for (int64_t k = 0; k <= W; ++k) tap[k] = stateserve_simd::widen_bf16(raw[k]);
+  __m512 tap[1][9];
+  for (int64_t k = 0; k <= W; ++k) tap[0][k] = stateserve_simd::widen_bf16(raw[k]);
   conv_16_channels(tap, W, wt, ldw, bias, float_accumulate, y);
   // shifted windows: inputs 1..W (raw[W] is the new one), back to channel-major
   const __m512i next01 = _mm512_inserti64x4(_mm512_castsi256_si512(raw[1]), raw[2], 1);
@@ -186,7 +166,7 @@ void conv_update_rows(T* st, const int64_t* sl, const T* xp, const float* wtp, c
       const T* xs = xp + s * C + c0;
       const ConvOut<T> y = out.at(s * C + c0);
       const float* bias_c = bias_p ? bias_p + c0 : nullptr;
-#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+#if SS_HAS_AVX512_BW
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (n == kBlock && conv_update_bf16_small_window(rows, xs, wtp + c0, bias_c, C, W, float_accumulate, y))
           continue;  // conv and shift done

@@ -5,15 +5,7 @@
 // the kernels themselves took ~0.5 ms besides the linears). Used while every projection takes the few-row kernel.
 #include <torch/extension.h>
 #include <vector>
-
-torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
-bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
-torch::Tensor silu_and_mul(torch::Tensor x);
-void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+#include "kernels.h"
 
 // x: [S, hidden], the previous layer's MLP output (the embeddings for the first layer, whose residual is None: the
 // stream then starts as a copy of x); residual: the stream so far, updated in place. positions: [S]; rope_table:

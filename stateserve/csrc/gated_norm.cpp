@@ -5,6 +5,7 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -30,7 +31,7 @@ float gate_and_square(const float* y, const float* act, float* h, int64_t n, boo
 template <typename T>
 bool gated_rms_norm_row_simd(const float* y, const T* gate, const float* w, T* out, float* h, int64_t I,
                              int64_t group_size, float eps, bool norm_before_gate) {
-#if defined(__AVX512F__)
+#if SS_HAS_AVX512
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
     if (I % 16 != 0 || group_size % 16 != 0) return false;

@@ -11,31 +11,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#include "kernels.h"
 #include "simd.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define SS_HAVE_AVX512 1
-#else
-#define SS_HAVE_AVX512 0
-#endif
-// AVX2 + FMA without AVX-512 (Zen 2/3, Intel client cores): 8-lane float32 vectors (bfloat16 widened to them).
-#if defined(STATESERVE_SIMD_AVX2)
-#define SS_HAVE_AVX2 1
-#else
-#define SS_HAVE_AVX2 0
-#endif
-#if defined(__AVX512BF16__)
-#define SS_HAVE_AVX512BF16 1
-#else
-#define SS_HAVE_AVX512BF16 0
-#endif
 
 namespace {
 
 // rows of W per tile. AVX2 has 16 vector registers: 4 x 4 accumulators plus the loads spilled, and 4 x 2 ran
 // 10-15% faster at 4-16 rows (2 cores, float32, [3072, 768] and [768, 1536] weights).
-constexpr int kNR = SS_HAVE_AVX2 ? 2 : 4;
+constexpr int kNR = SS_HAS_AVX2 ? 2 : 4;
 constexpr int kMR = 4;  // rows of x per tile
 // With one row of x, 4 accumulators leave the bfloat16 kernel bound by vdpbf16ps latency (~36 GB/s of weights);
 // 8 rows of W per tile reach ~45 (the memory). Each output is still one chain over k, so sums do not change.
@@ -51,7 +34,7 @@ constexpr int kWideNR = 8;
 // speed. From 4 rows on, each W row is reused across several x rows while it is in L1 and the k-step order with
 // its prefetch is faster (bfloat16, 8 rows: 21 vs 16 GB/s; 16 rows: 16 vs 10.5).
 constexpr int kRowByRowMaxMR = 2;
-#if SS_HAVE_AVX512
+#if SS_HAS_AVX512
 // The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of
 // _mm512_reduce_add_ps (halves, then quarters, then the 4 lanes as (l0 + l2) + (l1 + l3)), which the tiles of
 // several rows use: a row's outputs do not depend on which path computed them. One transpose-and-add tree
@@ -77,7 +60,7 @@ inline __m256 reduce8_ps(const __m512* v) {
 }
 #endif
 
-#if SS_HAVE_AVX512
+#if SS_HAS_AVX512
 // What differs between the dtypes' products: how many values of k a vector holds, how a vector is loaded (whole,
 // or the first n values with the rest zero) and the multiply-add into float32 lanes.
 struct F32Lanes {  // float32: 16 values of k per vector, FMA
@@ -94,7 +77,7 @@ struct F32Lanes {  // float32: 16 values of k per vector, FMA
 };
 #endif
 
-#if SS_HAVE_AVX512BF16
+#if SS_HAS_AVX512_BF16
 struct Bf16Lanes {  // bfloat16: 32 values of k per vector, vdpbf16ps adds pairs of products into 16 float32 lanes
   using Scalar = uint16_t;
   using Vec = __m512bh;
@@ -109,7 +92,7 @@ struct Bf16Lanes {  // bfloat16: 32 values of k per vector, vdpbf16ps adds pairs
 };
 #endif
 
-#if SS_HAVE_AVX2
+#if SS_HAS_AVX2
 struct F32Lanes8 {  // float32 on AVX2: 8 values of k per vector, FMA
   using Scalar = float;
   using Vec = __m256;
@@ -154,7 +137,7 @@ struct Bf16Lanes8 {
 };
 #endif
 
-#if SS_HAVE_AVX512 || SS_HAVE_AVX2
+#if SS_HAS_SIMD
 // acc[i][j] = x[i] . w[j] for MR rows of x and NR rows of W, each a chain over k in ascending order (so every
 // path gives the same sums). Up to kRowByRowMaxMR rows of x: one row of W after the other (see above); more: k-step
 // by k-step across the tile, prefetching `pf` (the next tile, or null) into L1.
@@ -201,7 +184,7 @@ inline void accumulate(const typename Ops::Scalar* x, int64_t ldx, const typenam
 }
 #endif
 
-#if SS_HAVE_AVX512
+#if SS_HAS_AVX512
 // An MR x NR tile of float32 outputs.
 template <int MR, int NR>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
@@ -218,7 +201,7 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 }
 #endif
 
-#if SS_HAVE_AVX2
+#if SS_HAS_AVX2
 // An MR x NR tile of outputs of type T on AVX2 (float32 sums). Each row's NR sums come from one reduce8_ps over its
 // accumulators (the missing ones zero): a lane's sum involves only its own vector, so every output is added in the
 // same order whichever tile it falls in.
@@ -254,7 +237,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 }
 #endif
 
-#if SS_HAVE_AVX512BF16
+#if SS_HAS_AVX512_BF16
 // An MR x NR tile of bfloat16 outputs (summed in float32).
 template <int MR, int NR>
 inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
@@ -262,7 +245,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
   __m512 acc[MR][NR];
   const auto as16 = [](const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
   accumulate<Bf16Lanes>(as16(x), ldx, as16(w), ldw, K, as16(pf), acc);
-#if defined(STATESERVE_SIMD_MASKED_16BIT)
+#if SS_HAS_AVX512_BW
   if constexpr (MR == 1 && NR == 8) {  // the 8 sums in the low lanes; the store rounds as the cast below
     using namespace stateserve_simd;
     constexpr __mmask16 kEight = 0xff;
@@ -309,10 +292,10 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
     }                                                                                                        \
   }
 
-#if SS_HAVE_AVX512 || SS_HAVE_AVX2
+#if SS_HAS_SIMD
 SS_TILE_FN(tile_f32, float)
 #endif
-#if SS_HAVE_AVX512BF16 || SS_HAVE_AVX2
+#if SS_HAS_AVX512_BF16 || SS_HAS_AVX2
 SS_TILE_FN(tile_bf16, at::BFloat16)
 #endif
 
@@ -349,18 +332,9 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64
 
 }  // namespace
 
-// float32 lanes of this build's widest vector (16: AVX-512, 8: AVX2, 0: neither): FastLinear's row thresholds.
-int64_t simd_float32_lanes() {
-#if defined(STATESERVE_SIMD_F32VEC)
-  return stateserve_simd::F32Vec::kWidth;
-#else
-  return 0;
-#endif
-}
-
 bool fast_linear_supported(c10::ScalarType dtype) {
-  if (dtype == at::kFloat) return SS_HAVE_AVX512 || SS_HAVE_AVX2;
-  if (dtype == at::kBFloat16) return SS_HAVE_AVX512BF16 || SS_HAVE_AVX2;
+  if (dtype == at::kFloat) return SS_HAS_AVX512 || SS_HAS_AVX2;
+  if (dtype == at::kBFloat16) return SS_HAS_AVX512_BF16 || SS_HAS_AVX2;
   return false;
 }
 
@@ -380,7 +354,7 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
     TORCH_CHECK(b.numel() == N && b.scalar_type() == x.scalar_type(), "fast_linear: bias must be [N], same dtype");
   }
   if (M == 0 || N == 0) return out;
-#if SS_HAVE_AVX512 || SS_HAVE_AVX2
+#if SS_HAS_SIMD
   if (x.scalar_type() == at::kFloat) {
     run_linear<float>(x.data_ptr<float>(), x.stride(0), weight.data_ptr<float>(), K, M, N, out.data_ptr<float>(),
                       b.defined() ? b.data_ptr<float>() : nullptr,
@@ -394,7 +368,7 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
     return out;
   }
 #endif
-#if SS_HAVE_AVX512BF16 || SS_HAVE_AVX2
+#if SS_HAS_AVX512_BF16 || SS_HAS_AVX2
   if (x.scalar_type() == at::kBFloat16) {
     using bf = at::BFloat16;
     run_linear<bf>(x.data_ptr<bf>(), x.stride(0), weight.data_ptr<bf>(), K, M, N, out.data_ptr<bf>(),

@@ -9,7 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-#include "conv_update.h"
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -25,7 +25,7 @@ struct Mamba1Args {
 };
 
 // Channels [d0, d0 + kBlock) of sequence s, N a multiple of kBlock.
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
 constexpr int64_t kBlock = stateserve_simd::F32Vec::kWidth;  // 16 with AVX-512, 8 with AVX2
 #else
 constexpr int64_t kBlock = 16;
@@ -33,7 +33,7 @@ constexpr int64_t kBlock = 16;
 template <typename T>
 void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const T* dt_raw, const T* bias,
                   const T* B, const T* C, const T* Dskip, const T* z, T* out) {
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   using namespace stateserve_simd;
   using Vec = F32Vec;
   using V = Vec::V;
@@ -53,7 +53,7 @@ void update_block(const Mamba1Args& a, int64_t s, int64_t d0, const T* u, const 
     V sum = Vec::zero();
     for (int64_t n = 0; n < a.N; n += W) {
       // h * exp(dt * A) + (dt * B) * u, the association of the PyTorch path
-      const V decay = Vec::exp(Vec::mul(dj, Vec::load(arow + n)));
+      const V decay = stateserve_simd::exp_ps(Vec::mul(dj, Vec::load(arow + n)));
       const V inject = Vec::mul(Vec::mul(dj, Vec::load_from(b + n)), uj);
       const V h = Vec::add(Vec::mul(Vec::load(row + n), decay), inject);
       Vec::store(row + n, h);
@@ -123,7 +123,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
   auto out = torch::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
   const Mamba1Args args{states.data_ptr<float>(), sl, A.data_ptr<float>(), Dn, N,
                         u.stride(0), dt_raw.stride(0), B.stride(0), C.stride(0), z.stride(0)};
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   const bool blocks = N % kBlock == 0;
 #else
   const bool blocks = false;
@@ -152,8 +152,6 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
   if (dtype == at::kBFloat16) run(at::BFloat16{}); else run(float{});
   return out;
 }
-
-torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 // One decode token of a whole Mamba1 mixer (no dt/B/C norms) for S sequences, the few-row kernels' path: in_proj,
 // the conv of the new token and its SiLU, x_proj, dt_proj, the state update with its gate, out_proj; the same

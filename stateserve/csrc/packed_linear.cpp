@@ -16,20 +16,21 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
 constexpr int64_t kPanel = 48;  // output columns per panel
 // rows of x per register tile. AVX2 (16 registers): 6 rows by 2 vectors of 8 columns, 12 accumulators, each panel
 // in three passes of 16 columns.
-#if defined(STATESERVE_SIMD_AVX2)
+#if SS_HAS_AVX2
 constexpr int kMaxMR = 6;
 #else
 constexpr int kMaxMR = 8;
 #endif
 constexpr int64_t kRowBlock = 256;  // rows of x per pass over W
 
-#if defined(__AVX512F__)
+#if SS_HAS_AVX512
 struct F32Words {  // one k per 32-bit word
   using T = float;
   using X = T;  // x's type as the tiles read it
@@ -39,7 +40,7 @@ struct F32Words {  // one k per 32-bit word
   }
 };
 #endif
-#if defined(__AVX512BF16__)
+#if SS_HAS_AVX512_BF16
 struct Bf16Words {  // two consecutive k per 32-bit word; vdpbf16ps adds both products to the float32 lane
   using T = at::BFloat16;
   using X = T;
@@ -48,7 +49,7 @@ struct Bf16Words {  // two consecutive k per 32-bit word; vdpbf16ps adds both pr
 };
 #endif
 
-#if defined(__AVX512F__)
+#if SS_HAS_AVX512
 // c[r][0 .. 16 NV) = sum over k-steps of x row r's word times the panel's words (r < MR): x: row 0 of the tile
 // (rows ldx elements apart); panel: [steps][kPanel] words; c: [MR][kPanel] float32.
 template <typename L, int MR, int NV>
@@ -94,7 +95,7 @@ void tile_any(int mr, int nv, const typename L::T* x, int64_t ldx, const int32_t
 
 #endif
 
-#if defined(STATESERVE_SIMD_AVX2)
+#if SS_HAS_AVX2
 struct F32Words8 {  // float32 on AVX2: one k per 32-bit word, 8 columns per vector
   using T = float;
   using X = T;
@@ -159,7 +160,7 @@ void tile_any(int mr, int nv, const float* x, int64_t ldx, const int32_t* panel,
 }
 #endif
 
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
 // out[m][n] = c + bias for one tile's mr rows and the panel's cols (<= kPanel) columns, rounded to T.
 template <typename T>
 void store_tile(const float* c, int mr, int64_t cols, const T* bias, T* out, int64_t ldo) {
@@ -218,10 +219,10 @@ int64_t step_of(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; 
 }  // namespace
 
 bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features) {
-#if defined(__AVX512BF16__) || defined(STATESERVE_SIMD_AVX2)
+#if SS_HAS_AVX512_BF16 || SS_HAS_AVX2
   if (dtype == at::kBFloat16) return in_features % 2 == 0;
 #endif
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   if (dtype == at::kFloat) return true;
 #endif
   return false;
@@ -271,7 +272,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   }
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-#if defined(__AVX512BF16__)
+#if SS_HAS_AVX512_BF16
   if (x.scalar_type() == at::kBFloat16) {
     using bf = at::BFloat16;
     run_packed<Bf16Words>(x.data_ptr<bf>(), x.stride(0), M, K, packed.data_ptr<int32_t>(), N,
@@ -279,7 +280,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     return out;
   }
 #endif
-#if defined(STATESERVE_SIMD_AVX2)
+#if SS_HAS_AVX2
   if (x.scalar_type() == at::kBFloat16) {
     using bf = at::BFloat16;
     const torch::Tensor xf = x.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);  // [M, K]
@@ -288,10 +289,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
     return out;
   }
 #endif
-#if defined(__AVX512F__)
+#if SS_HAS_AVX512
   run_packed<F32Words>(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<int32_t>(), N,
                        b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
-#elif defined(STATESERVE_SIMD_AVX2)
+#elif SS_HAS_AVX2
   run_packed<F32Words8>(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<int32_t>(), N,
                         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
 #endif

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -38,7 +39,7 @@ struct ScanArgs {
   const int64_t* want;  // want[t] = snapshot index after t tokens, or -1
 };
 
-#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+#if SS_HAS_AVX512_BW
 using stateserve_simd::exp_ps;
 using stateserve_simd::load16_masked;
 using stateserve_simd::round_bf16_ps;
@@ -122,7 +123,7 @@ void scan_blocks_avx512(const ScanArgs<T>& p, int64_t L, int64_t begin, int64_t 
 }
 #endif
 
-#if defined(STATESERVE_SIMD_AVX2)
+#if SS_HAS_AVX2
 // The AVX2 form of scan_block: 8 channels per block (lane j = channel d0 + j, `lanes` of them valid), the same
 // arithmetic and rounding; the state lives in a [N] array of vectors that the compiler keeps in registers as far
 // as 16 of them go.
@@ -295,11 +296,11 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
                          gated ? nullptr : y.data_ptr<float>(), gated ? y.data_ptr<scalar_t>() : nullptr,
                          snaps.data_ptr<float>(), want.data()};
     at::parallel_for(0, (D + kLanes - 1) / kLanes, 1, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__) && defined(STATESERVE_SIMD_MASKED_16BIT)
+#if SS_HAS_AVX512_BW
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
         if (N <= 32) return scan_blocks_avx512(p, L, begin, end);
       }
-#elif defined(STATESERVE_SIMD_AVX2)
+#elif SS_HAS_AVX2
       if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
         if (N <= 32) return scan_blocks_avx2(p, L, begin * kLanes, std::min(D, end * kLanes));
       }

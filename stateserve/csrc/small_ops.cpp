@@ -7,6 +7,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -35,7 +36,7 @@ template <typename T>
 void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
   const float r = 1.f / std::sqrt(sum_of_squares(in, H) / static_cast<float>(H) + eps);
   int64_t h = 0;
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
     using V = F32Vec;
@@ -55,7 +56,7 @@ void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
 template <typename T>
 int64_t silu_and_mul_simd(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using namespace stateserve_simd;
     using V = F32Vec;
@@ -96,7 +97,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 namespace {
 template <typename R, typename X, typename W>
 void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_t H, float eps) {
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   using namespace stateserve_simd;
   using V = F32Vec;
 #endif
@@ -106,7 +107,7 @@ void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_
       const X* xr = x + m * H;
       W* o = out + m * H;
       int64_t h = 0;
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
       for (; h + V::kWidth <= H; h += V::kWidth) {  // store_to rounds to nearest even, as the casts below
         const auto sum = round_to_ps<R>(V::add(V::load_from(r + h), V::load_from(xr + h)));
         V::store_to(r + h, sum);
@@ -158,7 +159,7 @@ template <typename T>
 int64_t conv_row_simd(const T* const* rows, int64_t K, int64_t C, const float* wp, const float* bp, float* y_float,
                       T* y_same) {
   int64_t c0 = 0;
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     using V = stateserve_simd::F32Vec;
     for (; c0 + V::kWidth <= C; c0 += V::kWidth) {
@@ -308,7 +309,7 @@ torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, do
         const scalar_t* d = dp + s * row_stride;
         float* o = op + s * H;
         int64_t h = 0;
-#if defined(__AVX512F__)
+#if SS_HAS_AVX512
         if constexpr (std::is_same_v<scalar_t, float>) {  // bfloat16 keeps the scalar log1p: its rounding to 8
           // bits would turn the vector form's last-bit differences into whole bfloat16 steps now and then
           const __m512 lo_v = _mm512_set1_ps(lo_t), hi_v = _mm512_set1_ps(hi_t);

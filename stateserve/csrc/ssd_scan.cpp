@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -34,14 +35,14 @@ Factors rescale_factors(const float* dtp, const float* Ap, int64_t L, int64_t H)
   // Every decay goes through the same exp (the chunk's tail too, padded to a vector), so a token's decay, and so
   // a snapshot after it, does not depend on how many tokens follow or where the threads' chunks end.
   at::parallel_for(0, L, 256, [&](int64_t begin, int64_t end) {
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
     using Vec = stateserve_simd::F32Vec;
     constexpr int W = Vec::kWidth;
     for (int64_t i = begin * H; i < end * H; i += W) {
       const int64_t n = std::min<int64_t>(W, end * H - i);
       alignas(64) float a[W] = {}, d[W] = {};
       for (int j = 0; j < n; ++j) a[j] = Ap[(i + j) % H], d[j] = dtp[i + j];
-      Vec::store(d, Vec::exp(Vec::mul(Vec::load(d), Vec::load(a))));
+      Vec::store(d, stateserve_simd::exp_ps(Vec::mul(Vec::load(d), Vec::load(a))));
       std::copy(d, d + n, decays + i);
     }
 #else
@@ -71,7 +72,7 @@ struct Strides {
   int64_t x, bc;  // token strides of x and of B / C (floats)
 };
 
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
 // Tokens t0 .. t1-1 of kWidth = W * kVecs channels (p0 ..) of head h against kCols state columns (n0 ..), with W
 // the lanes of Vec (16 with AVX-512, 8 with AVX2): kCols * kVecs state vectors in registers, each broadcast column
 // value feeds kVecs multiply-adds. u: the tile's first channel in the task's rescaled state, transposed (column n
@@ -208,7 +209,7 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
       float* block = sp + (h * P + p0) * N;  // rows p0 .. p0+rows-1 of head h, updated in place
       const float skip = Dp ? Dp[h] : 0.f;
       const float *keep = f.keep.data() + h * L, *in = f.in.data() + h * L, *out = f.out.data() + h * L;
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
       if (scan_rows_in_tiles<stateserve_simd::F32Vec>(block, u.data(), rows, xp, Bp, Cp, keep, in, out, yp, snp,
                                                       want.data(), L, H, P, N, h, g, p0, st, Dp ? &skip : nullptr))
         continue;

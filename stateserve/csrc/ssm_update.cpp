@@ -7,17 +7,13 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <type_traits>
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
 // float32 and contiguous, converting at most once (float32 contiguous inputs pass through untouched).
 inline torch::Tensor f32(const torch::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 }  // namespace
-
-// small_ops.cpp
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
-torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi);
 
 namespace {
 // One head of one sequence: state [P, N] <- state * exp(dt * A) + (x * dt) B, y[p] = state[p] . C (+ D x[p]).
@@ -26,7 +22,7 @@ namespace {
 template <typename S>
 inline void ssd_head_update(S* state, const float* x, float dt, float A, const float* b, const float* c,
                             const float* D, int64_t P, int64_t N, float* y) {
-#if defined(STATESERVE_SIMD_F32VEC)
+#if SS_HAS_SIMD
   // N and P multiples of the vector width W (16 with AVX-512, 8 with AVX2; float32 or bfloat16 rows): explicit
   // vectors, W rows at a time so that their W dot products with C finish in one transpose-and-add instead of W
   // dependent horizontal sums (which left the core waiting: ~40 us a layer for Mamba2-base's 24 heads of 64 x 64
@@ -140,10 +136,6 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
   });
   return y;
 }
-
-torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
-                             double eps, bool norm_before_gate);
 
 // A whole Mamba2 mixer's decode step with its gated RMSNorm, in_proj to out_proj, for rows few enough for
 // fast_linear: in_proj, mamba2_decode_, gated_rms_norm, out_proj, as the layer runs them op by op (same kernels,

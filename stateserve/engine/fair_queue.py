@@ -18,7 +18,7 @@ import heapq
 from collections import Counter, deque
 from typing import Iterator
 
-from stateserve.engine.request import Request
+from stateserve.core.request import Request
 
 
 class FairWaitingQueue:

@@ -1,71 +1,34 @@
-"""LLMEngine: validates and admits requests, runs scheduler -> runner -> sampler steps, applies stop rules."""
+"""LLMEngine: validates and admits requests, runs scheduler -> runner -> sampler steps, applies stop rules.
+
+One engine for every model kind: an embedding model's prompts are requests too (params: PoolingParams), scheduled
+whole, run by the same runner and finished by the step that pools them."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import logging
-import os
 from typing import Any
 
 import torch
 
 from stateserve import envs
-from stateserve.cache.prefix import SnapshotIndex
-from stateserve.config import EngineConfig, ModelConfig, load_hf_config, read_eos_ids, resolve_dtype
-from stateserve.engine.cache_manager import CacheManager
+from stateserve.config import EngineConfig
 from stateserve.engine import fault_inject
-from stateserve.engine.detokenizer import Detokenizer, find_stop_string
+from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer, find_stop_string
 from stateserve.engine.errors import EngineDeadError
-from stateserve.engine.request import Request
+from stateserve.core.request import Request
 from stateserve.engine.scheduler import Scheduler
-from stateserve.models.registry import ModelRegistry
-from stateserve.outputs import CompletionOutput, Logprob, RequestOutput
-from stateserve.runner.input_batch import InputBatch
-from stateserve.runner.model_runner import ModelRunner
+from stateserve.engine.embed_prompts import parse_embed_prompt
+from stateserve.engine.loading import build_model_config, check_runner, load_tokenizer
+from stateserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from stateserve.core.batch import InputBatch
+from stateserve.pooling_params import PoolingParams
+from stateserve.runner.model_runner import ModelRunner, PoolingResult
 from stateserve.runner.sampler import SampleResult
 from stateserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("stateserve")
-_DEFAULT_RECURRENT_MAX_LEN = 1 << 16
-_MAX_SNAPSHOT_SLOTS = 1024
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
-
-
-def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
-    hf = load_hf_config(cfg.model, cfg.hf_overrides)
-    arch = ModelRegistry.architecture_of(hf)
-    cls = ModelRegistry.resolve(arch)
-    is_af, is_hybrid = bool(getattr(cls, "is_attention_free", False)), bool(getattr(cls, "is_hybrid", False))
-    if hasattr(cls, "resolve_flags"):  # e.g. a hybrid family whose config may turn out all-attention
-        is_af, is_hybrid = cls.resolve_flags(hf)
-    # a model class may name its own limit (e.g. Whisper's decoder: max_target_positions)
-    limit = cls.max_positions(hf) if hasattr(cls, "max_positions") else getattr(hf, "max_position_embeddings", None)
-    if limit is None:
-        limit = _DEFAULT_RECURRENT_MAX_LEN if is_af else 2048
-    elif not is_af:
-        from stateserve.layers.rotary import rope_parameters
-
-        rope = rope_parameters(hf)
-        if rope["rope_type"] in ("linear", "dynamic"):  # these stretch the usable context by `factor`
-            limit = int(limit * rope.get("factor", 1.0))
-    if cfg.max_model_len is not None:
-        if cfg.max_model_len > limit and not is_af:
-            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={limit}")
-        limit = cfg.max_model_len
-    return ModelConfig(path=cfg.model, hf_config=hf, architecture=arch, dtype=resolve_dtype(cfg.dtype, hf, device),
-                       max_model_len=int(limit), vocab_size=int(hf.vocab_size), is_attention_free=is_af,
-                       is_hybrid=is_hybrid, eos_token_ids=read_eos_ids(cfg.model, hf))
-
-
-def load_tokenizer(cfg: EngineConfig) -> Any | None:
-    if cfg.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
-
-    path = cfg.tokenizer or cfg.model
-    if not os.path.isdir(path):
-        raise ValueError(f"tokenizer {path!r} is not a folder")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class LLMEngine:
@@ -74,6 +37,7 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.model_config = build_model_config(config, self.device)
+        check_runner(config, self.model_config)
         self.tokenizer = load_tokenizer(config)
         self.detokenizer = Detokenizer(self.tokenizer)
         eos = set(self.model_config.eos_token_ids)
@@ -93,24 +57,17 @@ class LLMEngine:
         runner_cls = ReferenceRunner if self.reference else ModelRunner
         self.runner = runner_cls(config, self.model_config, self.device)
         self.runner.load_model(show_progress)
-        self.model_state = self.runner.model_state
-        self.prefix_caching = (config.enable_prefix_caching if config.enable_prefix_caching is not None
-                               else self.model_state.default_prefix_caching())
-        self.mamba_cache_mode = self._resolve_mamba_cache_mode()
-        num_snapshot_slots = 0
-        if self.model_state.uses_state_cache and self.mamba_cache_mode != "none":
-            num_snapshot_slots = min(_MAX_SNAPSHOT_SLOTS, config.max_num_seqs * 64)
-        plan = self.runner.initialize_caches(config.max_num_seqs, num_snapshot_slots)
-        self.max_num_seqs = plan.max_num_seqs
-        snapshots = None
-        if self.runner.snapshot_pool is not None:
-            snapshots = SnapshotIndex(self.runner.snapshot_pool, self.runner.storage.copy_slot)
-        self.cache = CacheManager(self.runner.block_pool, self.runner.slot_pool, config.block_size,
-                                  prefix_caching=self.prefix_caching, snapshots=snapshots)
-        self.model_state.attach_cache(self.cache, self.mamba_cache_mode)
-        self.scheduler = Scheduler(self.cache, max_num_seqs=plan.max_num_seqs,
+        self.cache = self.runner.initialize_caches()
+        self.max_num_seqs = self.runner.max_num_seqs
+        self.scheduler = Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   chunk_size_fn=self.model_state.chunk_size)
+                                   chunk_size_fn=self.runner.chunk_size, whole_prompts=self.runner.runs_whole_prompts)
+        self.pooling = self.runner.pooling_spec()  # None: a model that generates
+        self.max_prompt_len, self._prompt_limit_reason = self.runner.prompt_limit()
+        if self.pooling is not None:
+            logger.info("Pooling: modes %s, normalize=%s (%s config); longest prompt %d tokens (%s)",
+                        ",".join(self.pooling.modes), self.pooling.normalize, self.pooling.source,
+                        self.pooling.max_len, self.pooling.limit_reason)
         self.fault_injector = fault_inject.from_env(self.runner.model)  # None unless STATESERVE_FAULT_INJECT
         self.max_step_failures = envs.STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES
         if self.max_step_failures < 1:
@@ -126,14 +83,6 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "preemptions": 0}
 
-    def _resolve_mamba_cache_mode(self) -> str:
-        mode = self.config.mamba_cache_mode
-        if not self.model_state.uses_state_cache or not self.prefix_caching:
-            if mode not in (None, "none") and self.model_state.uses_state_cache:
-                logger.warning("mamba_cache_mode=%s ignored: prefix caching is off", mode)
-            return "none"
-        return mode or "all"  # see docs/prefix_caching.md for why 'all' is the default
-
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -142,9 +91,12 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(token_ids) > self.model_config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len="
-                             f"{self.model_config.max_model_len}")
+        if len(token_ids) > self.max_prompt_len:
+            if self.pooling is not None:
+                raise ValueError(f"prompt has {len(token_ids)} tokens, more than this encoder's limit of "
+                                 f"{self.max_prompt_len} tokens ({self._prompt_limit_reason}); shorten it or pass "
+                                 "truncate_prompt_tokens")
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_prompt_len}")
         if self.cache.block_pool is not None:
             needed = -(-len(token_ids) // self.config.block_size)
             if needed > self.cache.max_blocks():
@@ -155,30 +107,53 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; with skip_tokenizer_init=True pass "
                              "{'prompt_token_ids': [...]}")
-        return self.tokenizer(prompt).input_ids
+        return self.tokenizer(self.runner.text_for_tokenizer(prompt)).input_ids
+
+    def resolve_truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many last prompt tokens an embedding request keeps (None: all); ValueError beyond the model's limit."""
+        k = PoolingParams(truncate_prompt_tokens).truncate_prompt_tokens
+        if k is not None and k > self.max_prompt_len:
+            raise ValueError(f"truncate_prompt_tokens={k} is more than this encoder's limit of {self.max_prompt_len} "
+                             f"tokens ({self._prompt_limit_reason})")
+        return self.max_prompt_len if k == -1 else k
+
+    def prepare_embed(self, request_id: str, prompt: str | dict[str, Any], keep_last: int | None = None,
+                      fairness_key: str | None = None) -> list[Request]:
+        """One embedding request (a group of one), tokenized, truncated to its last `keep_last` tokens (vLLM's left
+        truncation) and validated, without queueing anything (add_prepared queues it)."""
+        self._check_open()
+        if self.pooling is None:
+            raise ValueError(f"{self.model_config.architecture} has no pooling head: embeddings need an embedding "
+                             "model (BertModel, RobertaModel, XLMRobertaModel)")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, types = parse_embed_prompt(prompt, self.tokenize)
+        if keep_last is not None and len(ids) > keep_last:
+            ids = ids[-keep_last:]
+            types = types[-keep_last:] if types is not None else None
+        req = Request(request_id, ids, PoolingParams(keep_last), next(self._counter), text,
+                      fairness_key=fairness_key or request_id, token_type_ids=types)
+        self.runner.validate_request(req)
+        self.validate_prompt(ids)
+        return [req]
 
     def prepare_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         prompt: str | None = None, encoder_input: Any = None,
-                        fairness_key: str | None = None) -> list[Request]:
+                        fairness_key: str | None = None, stream_text: bool = False) -> list[Request]:
         """Validate one submission and build its sequences (one per sample) without queueing anything, so a
-        rejected submission leaves no trace. encoder_input: for encoder-decoder models, from
-        model_state.prepare_prompt; without it the prompt ids are the encoder input and decoding starts from the
-        decoder start token. fairness_key: admission is fair between keys (engine/fair_queue.py); default: the
+        rejected submission leaves no trace. encoder_input: for encoder-decoder models, from the runner's
+        parse_prompt (LLM.generate's prompt forms); without it the prompt ids are the encoder input and decoding
+        starts from the decoder start token. fairness_key: admission is fair between keys (engine/fair_queue.py); default: the
         request id."""
         self._check_open()
-        if not self.model_state.supports_generate:
-            raise ValueError(f"{self.model_config.architecture} does not generate text; use LLM.embed")
+        if self.pooling is not None:
+            raise ValueError(f"{self.model_config.architecture} is an embedding model with no LM head: it cannot "
+                             "generate text; use LLM.embed")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if getattr(self.model_state, "is_encoder_decoder", False):
-            if encoder_input is None:
-                prompt_token_ids, encoder_input = self.model_state.prepare_prompt(
-                    None, {"input_ids": list(prompt_token_ids)})
-        elif encoder_input is not None:
-            raise ValueError(f"{self.model_config.architecture} has no encoder: encoder inputs are only for "
-                             "encoder-decoder models")
+        prompt_token_ids, encoder_input = self.runner.prepare_inputs(prompt_token_ids, encoder_input)
         self.validate_prompt(prompt_token_ids)
         lo, hi = _SEED_RANGE
         if params.seed is not None and not lo <= params.seed <= params.seed + params.n - 1 <= hi:
@@ -187,6 +162,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         params = params.with_stop_ids(stop_ids)
         children = []
+        hold_back = max((len(s) for s in params.stop), default=1) - 1  # what may be the start of a stop string
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             if child_id in self.requests:
@@ -198,6 +174,8 @@ class LLMEngine:
                           fairness_key or request_id)
             if encoder_input is not None:  # prefix-cache keys must differ per encoder input
                 req.encoder_input, req.cache_extra = encoder_input, encoder_input.cache_key
+            if self.tokenizer is not None and (params.stop or stream_text):
+                req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, hold_back)
             children.append(req)
         return children
 
@@ -237,10 +215,7 @@ class LLMEngine:
         self.last_updated = []
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
-        for req in sched.preempted:
-            self.model_state.remove_request(req)
-        for req in sched.admitted:
-            self.model_state.add_request(req)
+        self.runner.update_requests(sched)
         if not sched.requests:
             if self.scheduler.waiting and not self.scheduler.running:
                 req = self.scheduler.waiting.peek()  # cannot fit even alone: end it rather than spin
@@ -261,9 +236,20 @@ class LLMEngine:
             self.cache.publish_blocks(req)
         self.stats["prefix_cache_queries"] = self.cache.num_queried_tokens
         self.stats["prefix_cache_hits"] = self.cache.num_hit_tokens
-        if result is not None:
+        if isinstance(result, PoolingResult):
+            self._apply_pooled(batch, result)
+        elif result is not None:
             self._apply_samples(batch, result)
         return self._collect_finished()
+
+    def _apply_pooled(self, batch: InputBatch, result: PoolingResult) -> None:
+        updated = dict.fromkeys(self.last_updated)
+        for req, vector in zip(batch.requests, result.vectors):
+            req.embedding = vector
+            req.finish_reason = "stop"
+            self._finish(req)
+            updated[req.group_id] = None
+        self.last_updated = list(updated)
 
     def _fail_step(self, reqs: list[Request], exc: BaseException) -> None:
         """The step over `reqs` raised part-way. Its forward may have advanced their recurrent states in place and
@@ -272,10 +258,6 @@ class LLMEngine:
         matched; published blocks are never written) and the snapshot slots reserved for this step (dropped by
         on_step_failed, never published). Ending exactly these requests therefore leaves nothing half-written
         that anyone could read, and every other request goes on as if the step had not run."""
-        try:
-            self.model_state.on_step_failed()
-        except Exception:
-            logger.exception("on_step_failed raised; going on with the failed step's clean-up")
         error = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
         updated = dict.fromkeys(self.last_updated)
         for req in reqs:
@@ -302,6 +284,8 @@ class LLMEngine:
             req = batch.requests[i]
             token = result.token_ids[j]
             req.append_token(token)
+            if req.detok is not None:
+                req.detok.add([token])
             self.stats["generation_tokens"] += 1
             updated[req.group_id] = None
             if req.logprobs is not None:
@@ -321,8 +305,8 @@ class LLMEngine:
             if token in p._all_stop_token_ids:
                 req.finish_reason = "stop"
                 req.stop_reason = token if token in p.stop_token_ids else None
-            elif p.stop:
-                text = self.detokenizer.decode(req.output_token_ids, p.skip_special_tokens)
+            elif p.stop:  # looked for in the text this token added (and the stop length before it) only
+                text = req.detok.text if req.detok is not None else ""
                 hit = find_stop_string(text, p.stop, len(req.output_text))
                 req.output_text = text
                 if hit is not None:
@@ -336,8 +320,10 @@ class LLMEngine:
             self._finish(req)
 
     def _finish(self, req: Request) -> None:
-        self.model_state.remove_request(req)
+        self.runner.remove_request(req)
         self.scheduler.finish(req)
+        if req.is_pooling:
+            return
         if req.finish_reason != "stop" or not req.params.stop or req.stop_reason is None:
             req.output_text = self.detokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
 
@@ -345,8 +331,15 @@ class LLMEngine:
         return [gid for gid, reqs in self.groups.items() if all(r.is_finished for r in reqs)]
 
     # ---- outputs -------------------------------------------------------------------------------
-    def make_output(self, group_id: str) -> RequestOutput:
+    def make_output(self, group_id: str) -> RequestOutput | EmbeddingRequestOutput:
         reqs = self.groups[group_id]
+        if reqs[0].is_pooling:
+            req = reqs[0]
+            vector = req.embedding.tolist() if req.embedding is not None else []
+            return EmbeddingRequestOutput(request_id=group_id, prompt_token_ids=list(req.prompt_token_ids),
+                                          outputs=EmbeddingOutput(embedding=vector, error=req.error),
+                                          finished=req.is_finished,
+                                          prompt=req.prompt)
         outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
                                  cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
                                  logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
@@ -383,4 +376,3 @@ class LLMEngine:
         self.requests.clear()
         self.groups.clear()
         self.runner.shutdown()
-        self.model_state = None

@@ -7,32 +7,15 @@ run out for a running request, the most recently admitted running request is pre
 and it is recomputed later."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from stateserve.engine.cache_manager import CacheManager
+from stateserve.cache.manager import CacheManager
 from stateserve.engine.fair_queue import FairWaitingQueue
-from stateserve.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running in this step
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def add(self, req: Request, n: int) -> None:
-        self.requests.append(req)
-        self.num_new_tokens.append(n)
+from stateserve.core.batch import SchedulerOutput
+from stateserve.core.request import Request, RequestStatus
 
 
 class Scheduler:
     def __init__(self, cache: CacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_size_fn=None) -> None:
+                 chunk_size_fn=None, whole_prompts: bool = False) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -40,6 +23,9 @@ class Scheduler:
         self.running: list[Request] = []
         # model states may restrict chunk ends (e.g. to block boundaries); default: no restriction
         self.chunk_size_fn = chunk_size_fn or (lambda req, n: n)
+        # encoders see a prompt whole: it waits for a step with room for all of it, or runs alone in an
+        # otherwise empty step when it is longer than the token budget
+        self.whole_prompts = whole_prompts
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -49,7 +35,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _num_new(self, req: Request, budget: int) -> int:
-        return self.chunk_size_fn(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        remaining = req.num_tokens - req.num_computed_tokens
+        if self.whole_prompts:
+            return remaining if remaining <= budget or budget == self.max_num_batched_tokens else 0
+        return self.chunk_size_fn(req, min(remaining, budget))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

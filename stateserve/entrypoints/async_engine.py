@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from stateserve.engine.llm_engine import LLMEngine
+from stateserve.entrypoints.streams import EngineDead, EngineOverloaded, GroupUpdate, RequestStream, SeqUpdate
 from stateserve.entrypoints.submission import add_all
-from stateserve.outputs import Logprob
 from stateserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("stateserve.server")
@@ -54,76 +54,6 @@ def build_off_main_thread(factory: Callable[[], Any]) -> Any:
     return box["result"]
 
 
-class EngineOverloaded(Exception):
-    """The waiting queue is full: the client should retry later (HTTP 503)."""
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped (shut down, or a step raised); no more requests can run."""
-
-
-@dataclass
-class SeqUpdate:
-    """What one sequence (one of a prompt's n samples) produced since its last update."""
-
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None  # the engine's final text (stop strings cut), only once finished
-    error: str | None = None  # why, when finish_reason is "error" (the engine step running it failed)
-
-
-@dataclass
-class GroupUpdate:
-    """One engine step's news about one prompt of a submission."""
-
-    prompt_index: int
-    seqs: list[SeqUpdate]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    time: float  # time.perf_counter() when the step that produced it ended
-
-
-class RequestStream:
-    """The updates of one submission (one or more prompts), in step order; lives on the event loop."""
-
-    def __init__(self, engine: "AsyncEngine", group_ids: list[str]) -> None:
-        self._engine = engine
-        self.group_ids = group_ids
-        self._queue: asyncio.Queue[GroupUpdate | BaseException] = asyncio.Queue()
-        self._unfinished = set(group_ids)
-
-    def _put(self, item: GroupUpdate | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> GroupUpdate:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            raise item
-        if item.finished:
-            self._unfinished.discard(self.group_ids[item.prompt_index])
-        return item
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def abort(self) -> None:
-        """Stop whatever has not finished (client gone, error); frees its cache on the next engine turn."""
-        if self._unfinished:
-            self._engine.abort(list(self._unfinished))
-            self._unfinished.clear()
-
-
 @dataclass
 class _Group:
     stream: RequestStream
@@ -138,7 +68,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.max_model_len = engine.model_config.max_model_len
+        self.max_model_len = engine.max_prompt_len  # an encoder's real limit for an embedding model
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._groups: dict[str, _Group] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -171,13 +101,24 @@ class AsyncEngine:
         if not self.is_running:
             raise self._dead_error()
 
-    async def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> RequestStream:
-        """Add all prompts (or none: a bad prompt raises ValueError, a full queue EngineOverloaded)."""
+    async def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                     stream_text: bool = False) -> RequestStream:
+        """Add all prompts (or none: a bad prompt raises ValueError, a full queue EngineOverloaded). stream_text:
+        each update carries the text its tokens added (SeqUpdate.new_text)."""
+        return await self._submit("add", len(prompts), prompts, params, stream_text)
+
+    async def submit_embed(self, inputs: list[str | list[int]], keep_last: int | None) -> RequestStream:
+        """Queue one embedding request per input (text or token ids), truncated to its last `keep_last` tokens; all
+        or none (a bad input raises ValueError naming it, a full queue EngineOverloaded). Each input's update
+        carries its vector once it ran."""
+        return await self._submit("embed", len(inputs), inputs, keep_last)
+
+    async def _submit(self, kind: str, count: int, *payload: Any) -> RequestStream:
         self._check_alive()
-        group_ids = [f"{self._prefix}-{next(self._ids)}" for _ in prompts]
-        stream = RequestStream(self, group_ids)
+        group_ids = [f"{self._prefix}-{next(self._ids)}" for _ in range(count)]
+        stream = RequestStream(self.abort, group_ids)
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._send("add", (group_ids, prompts, params, stream, accepted))
+        self._send(kind, (group_ids, *payload, stream, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -262,25 +203,51 @@ class AsyncEngine:
         return stop
 
     def _do_add(self, payload: tuple) -> None:
-        group_ids, prompts, params, stream, accepted = payload
+        group_ids, prompts, params, stream_text, stream, accepted = payload
+        engine = self.engine
+
+        def prepare() -> list:  # one share of the engine's admission for the whole submission
+            return [engine.prepare_request(gid, ids, params, prompt=text, fairness_key=group_ids[0],
+                                           stream_text=stream_text)
+                    for gid, (text, ids) in zip(group_ids, prompts)]
+        self._add(prepare, stream, accepted)
+
+    def _do_embed(self, payload: tuple) -> None:
+        group_ids, inputs, keep_last, stream, accepted = payload
+        engine = self.engine
+
+        def prepare() -> list:
+            prepared = []
+            for i, (gid, item) in enumerate(zip(group_ids, inputs)):
+                prompt = item if isinstance(item, str) else {"prompt_token_ids": item}
+                try:
+                    prepared.append(engine.prepare_embed(gid, prompt, keep_last, fairness_key=group_ids[0]))
+                except ValueError as e:
+                    raise ValueError(f"input[{i}]: {e}") from None
+            return prepared
+        self._add(prepare, stream, accepted)
+
+    def _add(self, prepare: Callable[[], list], stream: RequestStream, accepted: asyncio.Future) -> None:
+        """Prepare a submission whole (a bad prompt is a 400 even when the queue is full), check the queue's room,
+        then queue all of it or none."""
         engine = self.engine
         try:
-            for _, ids in prompts:  # a bad prompt is a 400 even when the queue is full
-                engine.validate_prompt(ids)
+            prepared = prepare()
             # Sequences that will wait for a batch slot; ones that free slots take at the next step do not.
             sched = engine.scheduler
             free_slots = max(0, sched.max_num_seqs - len(sched.running))
             waiting = max(0, len(sched.waiting) - free_slots)
-            new_waiting = max(0, len(sched.waiting) + params.n * len(prompts) - free_slots)
+            new_waiting = max(0, len(sched.waiting) + sum(map(len, prepared)) - free_slots)
             if self.max_waiting_requests is not None and new_waiting > self.max_waiting_requests:
                 raise EngineOverloaded(f"the waiting queue is full ({waiting} waiting, limit "
                                        f"{self.max_waiting_requests}); retry later")
-            add_all(engine, group_ids, prompts, params)  # all prompts or none
+            add_all(engine, prepared)
         except Exception as e:  # a request that cannot be added fails alone; the engine keeps serving
             self._post(_resolve, accepted, e)
             return
-        for i, gid in enumerate(group_ids):
-            self._groups[gid] = _Group(stream, i, [0] * params.n, [False] * params.n)
+        for i, children in enumerate(prepared):
+            n = len(children)
+            self._groups[children[0].group_id] = _Group(stream, i, [0] * n, [False] * n)
         self._post(_resolve, accepted, None)
 
     def _do_abort(self, group_ids: list[str]) -> None:
@@ -322,12 +289,15 @@ class AsyncEngine:
                     group.done[i] = True
                     upd.finish_reason, upd.stop_reason, upd.text = req.finish_reason, req.stop_reason, \
                         req.output_text
-                    upd.error = getattr(req, "error", None)
+                    upd.error = req.error
+                if req.detok is not None:  # the final text is authoritative: the deltas always add up to it
+                    upd.new_text = req.detok.delta(req.output_text if req.is_finished else None)
                 seqs.append(upd)
             finished = all(group.done)
             first = reqs[0]
+            vector = first.embedding.numpy() if first.embedding is not None else None
             out.append((group.stream, GroupUpdate(group.prompt_index, seqs, finished, first.num_prompt_tokens,
-                                                  first.num_cached_tokens, now)))
+                                                  first.num_cached_tokens, now, vector)))
             if finished:
                 self._drop(gid)
         if out:
@@ -348,8 +318,8 @@ class AsyncEngine:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
-                self._post(_resolve, payload[4], exc)
+            if kind in ("add", "embed"):
+                self._post(_resolve, payload[-1], exc)
             elif kind == "call" and payload[1].set_running_or_notify_cancel():
                 payload[1].set_exception(exc)
 

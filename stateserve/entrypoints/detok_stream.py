@@ -1,68 +1,18 @@
-"""Per-choice text for streaming: incremental detokenization, stop-string hold-back, OpenAI logprob shapes."""
+"""Per-choice state of a response (the text deltas come from the engine's incremental detokenizer, which holds
+back what may be the start of a stop string), and OpenAI's logprob shapes."""
 from __future__ import annotations
 
-from typing import Any
-
-from stateserve.entrypoints.async_engine import SeqUpdate
+from stateserve.entrypoints.streams import SeqUpdate
 from stateserve.entrypoints.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from stateserve.outputs import Logprob
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clamps the same way
 
 
-class IncrementalText:
-    """Text of a growing token sequence, decoded a few tokens at a time.
-
-    Decoding only the tail keeps each step O(1) in the output length. The tail is decoded together with a few
-    tokens before it (the "prefix" window) because many tokenizers render a token differently at the start
-    of a string (leading spaces, byte fallback). Text ending in U+FFFD is an incomplete UTF-8 character and
-    waits for the next token."""
-
-    def __init__(self, tokenizer: Any | None, skip_special_tokens: bool, hold_back: int = 0) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.hold_back = hold_back  # chars kept back while running: they may be the start of a stop string
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # chars of `text` already handed out
-        self._prefix_offset = 0
-        self._read_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids or self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, new_ids: list[int]) -> None:
-        self.token_ids.extend(new_ids)
-        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self.token_ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.token_ids)
-
-    def delta(self, final_text: str | None = None) -> str:
-        """New text since the last call; at the end pass the engine's final text, which is authoritative
-        (stop strings already cut), so the concatenated deltas always equal the non-streamed text."""
-        if final_text is not None:
-            out = final_text[self.sent:]
-            self.text, self.sent = final_text, len(final_text)
-            return out
-        limit = len(self.text) - self.hold_back
-        if limit <= self.sent:
-            return ""
-        out = self.text[self.sent:limit]
-        self.sent = limit
-        return out
-
-
 class ChoiceState:
     """Everything one choice (prompt x sample) has produced so far."""
 
-    def __init__(self, tokenizer: Any | None, skip_special_tokens: bool, stops: list[str], echo_text: str = ""):
-        hold = max((len(s) for s in stops), default=1) - 1
-        self.text = IncrementalText(tokenizer, skip_special_tokens, hold)
+    def __init__(self, echo_text: str = ""):
         self.echo_text = echo_text
         self.echo_pending = bool(echo_text)
         self.token_ids: list[int] = []
@@ -81,8 +31,7 @@ class ChoiceState:
             self.finish_reason, self.stop_reason, self.final_text = seq.finish_reason, seq.stop_reason, seq.text
         if not streaming:
             return ""
-        self.text.add(seq.new_token_ids)
-        delta = self.text.delta(seq.text if seq.finish_reason is not None else None)
+        delta = seq.new_text or ""
         if self.echo_pending:
             self.echo_pending = False
             delta = self.echo_text + delta

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from stateserve import envs
 from stateserve.config import EngineConfig
 from stateserve.engine.llm_engine import LLMEngine
-from stateserve.engine.pooling import PoolingEngine, select_runner
+from stateserve.entrypoints.submission import add_all, discard_group
 from stateserve.outputs import EmbeddingRequestOutput, RequestOutput
 from stateserve.sampling_params import SamplingParams
 
@@ -22,10 +22,9 @@ PromptType = str | dict[str, Any]
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        # embedding architectures run on the pooling engine (runner="auto" picks it for them)
-        self.runner_type = select_runner(self.config)
-        engine_cls = PoolingEngine if self.runner_type == "pooling" else LLMEngine
-        self.llm_engine = engine_cls(self.config, show_progress=not envs.STATESERVE_DISABLE_TQDM)
+        self.llm_engine = LLMEngine(self.config, show_progress=not envs.STATESERVE_DISABLE_TQDM)
+        # what the model does: embedding architectures pool (LLM.embed), the others generate
+        self.runner_type = "generate" if self.llm_engine.pooling is None else "pooling"
         # at interpreter exit, free caches and weights even if the user forgot shutdown()
         atexit.register(_shutdown_ref, weakref.ref(self))
 
@@ -49,11 +48,8 @@ class LLM:
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _to_inputs(self, prompt: PromptType) -> tuple[str | None, list[int], Any]:
-        """(text, token ids, encoder input or None); encoder-decoder prompts are parsed by their model state."""
-        state = self.llm_engine.model_state
-        if getattr(state, "is_encoder_decoder", False):
-            return state.parse_prompt(prompt, self._to_token_ids, self.llm_engine.tokenizer)
-        return (*self._to_token_ids(prompt), None)
+        """(text, token ids, encoder input or None): the model kind parses the prompt forms it takes."""
+        return self.llm_engine.runner.parse_prompt(prompt, self._to_token_ids, self.llm_engine.tokenizer)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -62,9 +58,6 @@ class LLM:
         and adds nothing). A sample whose engine step fails comes back with finish_reason "error" and `error` set
         while the others run to the end (vLLM's finish_reason for request-level failures); if the engine dies
         (EngineDeadError, after several failed steps in a row) the call aborts what is left and raises it."""
-        if self.runner_type == "pooling":
-            raise ValueError(f"{self.llm_engine.model_config.architecture} is an embedding model with no LM head: "
-                             "it cannot generate text; use LLM.embed")
         engine = self.llm_engine
         engine._check_open()
         if isinstance(prompts, (str, dict)):
@@ -86,14 +79,7 @@ class LLM:
             text, ids, encoder_input = self._to_inputs(prompt)
             prepared.append(engine.prepare_request(uuid.uuid4().hex[:12], ids, p, prompt=text,
                                                    encoder_input=encoder_input, fairness_key=key))
-        ids_in_order = []
-        try:
-            for children in prepared:
-                engine.add_prepared(children)
-                ids_in_order.append(children[0].group_id)
-        except BaseException:
-            _discard(engine, ids_in_order)
-            raise
+        ids_in_order = add_all(engine, prepared)
         return self._run(ids_in_order, use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
@@ -101,15 +87,21 @@ class LLM:
         """One pooled (and, as the model folder asks, normalised) vector per prompt. A prompt is text or a dict
         with 'prompt' / 'prompt_token_ids' and optional 'token_type_ids'; truncate_prompt_tokens=k keeps the
         last k tokens (-1: the model's limit)."""
-        if self.runner_type != "pooling":
-            raise ValueError(f"{self.llm_engine.model_config.architecture} has no pooling head: LLM.embed needs an "
-                             "embedding model (BertModel, RobertaModel, XLMRobertaModel)")
+        engine = self.llm_engine
+        engine._check_open()
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self.llm_engine.embed(list(prompts), truncate_prompt_tokens,
-                                     use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
+        keep_last = engine.resolve_truncation(truncate_prompt_tokens) if engine.pooling is not None else None
+        key = uuid.uuid4().hex[:12]
+        prepared = [engine.prepare_embed(uuid.uuid4().hex[:12], p, keep_last, fairness_key=key)
+                    for p in prompts]  # every prompt validated before any is queued
+        outputs = self._run(add_all(engine, prepared), use_tqdm and not envs.STATESERVE_DISABLE_TQDM)
+        failed = next((o.outputs.error for o in outputs if o.outputs.error is not None), None)
+        if failed is not None:  # a vector cannot be partly right: the call fails as a whole
+            raise RuntimeError(failed)
+        return outputs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         wanted, results = set(ids), {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
@@ -121,13 +113,16 @@ class LLM:
                         out = engine.pop_output(gid)
                         results[gid] = out
                         num_in += len(out.prompt_token_ids)
-                        num_out += sum(len(o.token_ids) for o in out.outputs)
+                        num_out += sum(len(o.token_ids) for o in out.outputs) \
+                            if isinstance(out, RequestOutput) else 0
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"input: {num_in / elapsed:.1f} toks/s, output: "
                                             f"{num_out / elapsed:.1f} toks/s")
                         bar.update(1)
         except BaseException:  # interrupted, or the engine died: leave no half-run request holding caches
-            _discard(engine, [gid for gid in ids if gid not in results])
+            for gid in ids:
+                if gid not in results:
+                    discard_group(engine, gid)
             raise
         finally:
             bar.close()
@@ -142,14 +137,6 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _discard(engine: LLMEngine, group_ids: list[str]) -> None:
-    """Abort these request groups and drop their records."""
-    for gid in group_ids:
-        if gid in engine.groups:
-            engine.abort_request(gid)
-            engine.pop_output(gid)
 
 
 def _shutdown_ref(ref: "weakref.ref[LLM]") -> None:

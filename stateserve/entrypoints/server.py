@@ -27,7 +27,6 @@ from stateserve.entrypoints.async_engine import AsyncEngine, build_off_main_thre
 from stateserve.entrypoints.metrics import ServerMetrics
 from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
                                                     ModelCard, ModelList)
-from stateserve.entrypoints.pooling_loop import PoolingLoop
 from stateserve.entrypoints.request_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware, StrictJSONRoute
 from stateserve.entrypoints.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST, APIError, OpenAIServing
 from stateserve.entrypoints.serving_embedding import EmbeddingServing
@@ -192,21 +191,17 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def build_engine(config: Any, show_progress: bool = True) -> Any:
-    """The engine AsyncEngine drives: for an embedding architecture the pooling engine (the choice LLM makes:
-    select_runner, runner="auto" picks by the model class) behind a PoolingLoop, else the generation engine."""
+    """The engine AsyncEngine drives: one LLMEngine for every model kind (an embedding model pools)."""
     from stateserve.engine.llm_engine import LLMEngine
-    from stateserve.engine.pooling import PoolingEngine, select_runner
 
-    if select_runner(config) == "pooling":
-        return PoolingLoop(PoolingEngine(config, show_progress=show_progress))
     return LLMEngine(config, show_progress=show_progress)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from stateserve import envs
     from stateserve.config import EngineConfig
-    from stateserve.engine.llm_engine import load_tokenizer
-    from stateserve.entrypoints.cli import default_model, engine_kwargs
+    from stateserve.engine.loading import load_tokenizer
+    from stateserve.entrypoints.engine_args import default_model, engine_kwargs
 
     # SIGTERM behaves like Ctrl+C: uvicorn drains on it, and re-raises it after its own handler is gone
     signal.signal(signal.SIGTERM, _interrupt)
@@ -250,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(subparsers: Any) -> None:
-    from stateserve.entrypoints.cli import add_engine_args
+    from stateserve.entrypoints.engine_args import add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", default=None, help="Hugging Face model folder (default: a bundled model)")

@@ -11,7 +11,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from stateserve.entrypoints.async_engine import AsyncEngine, EngineDead, EngineOverloaded, GroupUpdate, RequestStream
+from stateserve.entrypoints.async_engine import AsyncEngine
+from stateserve.entrypoints.streams import EngineDead, EngineOverloaded, GroupUpdate, RequestStream
 from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs
 from stateserve.entrypoints.metrics import RequestTimer, ServerMetrics
 from stateserve.entrypoints.errors import APIError
@@ -19,7 +20,6 @@ from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatResponseMessage, CompletionChoice, CompletionRequest,
                                                     CompletionResponse, DeltaMessage, PromptTokensDetails, Usage)
-from stateserve.entrypoints.pooling_loop import is_pooling
 from stateserve.entrypoints.prompt_input import Prompts, PromptInput, count_prompts
 from stateserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
@@ -70,8 +70,7 @@ class OpenAIServing:
         self.metrics, self.chat_template = metrics, chat_template
         self.max_model_len = engine.max_model_len
         self.max_sequences_per_request = max_sequences_per_request
-        model_config = getattr(engine.engine, "model_config", None)
-        self.vocab_size: int | None = getattr(model_config, "vocab_size", None)
+        self.vocab_size = engine.engine.model_config.vocab_size
         self.inputs = PromptInput(tokenizer, self.max_model_len, self.vocab_size, chat_template)
         self.draining = False  # set on shutdown: new work gets 503
 
@@ -83,7 +82,7 @@ class OpenAIServing:
 
     def check_generates(self, model: str, api: str) -> None:
         """An embedding model has no LM head: text endpoints answer 400 rather than reach the engine."""
-        if is_pooling(self.engine.engine):
+        if self.engine.engine.pooling is not None:
             raise APIError(400, f"The model `{model}` is an embedding model and does not support the {api} API; "
                                 "use /v1/embeddings.", param="model", code="model_not_supported")
 
@@ -166,12 +165,12 @@ class OpenAIServing:
             msg = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, msg, param=msg.split(" ", 1)[0]) from e
 
-    async def _submit(self, prompts: Prompts, params: SamplingParams) -> RequestStream:
+    async def _submit(self, prompts: Prompts, params: SamplingParams, stream_text: bool) -> RequestStream:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
         try:
-            return await self.engine.submit(prompts, params)
+            return await self.engine.submit(prompts, params, stream_text=bool(stream_text))
         except EngineOverloaded as e:
             raise APIError(503, str(e), "server_error", code="overloaded", headers={"Retry-After": "1"}) from e
         except EngineDead as e:
@@ -190,9 +189,8 @@ class OpenAIServing:
         prompts = await self.inputs.completion(req.prompt)
         self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         echo = [self._echo_text(t, ids) if req.echo else "" for t, ids in prompts]
-        choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop, echo[p])
-                   for p in range(len(prompts)) for _ in range(params.n)]
-        stream = await self._submit(prompts, params)
+        choices = [ChoiceState(echo[p]) for p in range(len(prompts)) for _ in range(params.n)]
+        stream = await self._submit(prompts, params, req.stream)
         ctx = _Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
                        RequestTimer(self.metrics, arrival), req.stream_options)
         if req.stream:
@@ -222,8 +220,8 @@ class OpenAIServing:
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, names)
         prompts = await self._chat_prompt(req)
         self._check_context(prompts, max_tokens, True, "messages")
-        choices = [ChoiceState(self.tokenizer, params.skip_special_tokens, params.stop) for _ in range(params.n)]
-        stream = await self._submit(prompts, params)
+        choices = [ChoiceState() for _ in range(params.n)]
+        stream = await self._submit(prompts, params, req.stream)
         ctx = _Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
                        RequestTimer(self.metrics, arrival), req.stream_options, req.top_logprobs or 0)
         if req.stream:

@@ -1,40 +1,34 @@
-"""Adding one HTTP request's prompts to the engine all at once or not at all (engine thread only).
+"""Adding one submission's requests to the engine all at once or not at all.
 
-A request is validated whole before any part of it is queued: every prompt (`LLMEngine.validate_prompt`, by the
-caller, AsyncEngine._do_add, before it checks the queue's room), and its SamplingParams were checked when built (seed + n - 1 included, since sample i is seeded with seed + i). If adding
-still fails half-way (a prompt after the first, or a sample after the first of a prompt), everything this
-submission queued is aborted and forgotten, so no sample runs for a request that was answered with an error."""
+A submission (an HTTP request, or one LLM.generate / LLM.embed call) is prepared whole before any part of it is
+queued: `LLMEngine.prepare_request` / `prepare_embed` validate a prompt and build its sequences without touching
+the engine's queues, so a bad prompt anywhere rejects the submission with nothing queued. `add_prepared` then
+queues one group atomically; should it still fail for a later group, the groups this submission queued are
+aborted and forgotten, so no sample runs for a request that was answered with an error."""
 from __future__ import annotations
 
 from typing import Any
 
-from stateserve.sampling_params import SamplingParams
+from stateserve.core.request import Request
 
 
-def add_all(engine: Any, group_ids: list[str], prompts: list[tuple[str | None, list[int]]],
-            params: SamplingParams) -> None:
-    """Queue `prompts[i]` as group `group_ids[i]` (n samples each) after the caller validated every prompt; on any
-    error nothing stays queued."""
-    tried: list[str] = []
+def add_all(engine: Any, prepared: list[list[Request]]) -> list[str]:
+    """Queue every prepared group (the sequences of one prompt); on any error nothing stays queued. Returns the
+    group ids in order."""
+    added: list[str] = []
     try:
-        for gid, (text, ids) in zip(group_ids, prompts):
-            tried.append(gid)  # before the call: a group it leaves half-added is cleaned up too
-            # one share of the engine's admission for the whole submission, however many prompts it has
-            engine.add_request(gid, ids, params, prompt=text, fairness_key=group_ids[0])
+        for children in prepared:
+            engine.add_prepared(children)
+            added.append(children[0].group_id)
     except BaseException:
-        for gid in tried:
+        for gid in added:
             discard_group(engine, gid)
         raise
+    return added
 
 
 def discard_group(engine: Any, gid: str) -> None:
-    """Abort group `gid` and drop its records, including a group that `add_request` left half-added (some of
-    its samples queued before it raised, so it never reached `engine.groups`). The ids are this server's own
-    (unique per submission), so no other request's group can be hit."""
-    if gid not in engine.groups:
-        leftovers = [r for r in getattr(engine, "requests", {}).values() if getattr(r, "group_id", None) == gid]
-        if not leftovers:
-            return
-        engine.groups[gid] = leftovers
-    engine.abort_request(gid)
-    engine.pop_output(gid)
+    """Abort group `gid` and drop its records (add_prepared queues a group whole, so it is there or not at all)."""
+    if gid in engine.groups:
+        engine.abort_request(gid)
+        engine.pop_output(gid)

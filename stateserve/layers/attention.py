@@ -11,14 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import KVCacheSpec
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 from stateserve.layers.metadata import AttnMetadata
-
-# With AVX2's 8-lane vectors the C++ prefill kernel is used up to this many keys (context + chunk) a sequence. 2 Zen 3
-# cores, 12 heads of 64, causal GFLOP/s kernel / PyTorch's flash: 512 rows 84 / 61 (bfloat16 98 / 53), 2048 rows
-# 95 / 108 (102 / 103), a 2048-row chunk after 2048 of context 102 / 121 (101 / 118); past that the flash kernel's
-# blocked products pull ahead. With AVX-512 the kernel has no such limit.
-PREFILL_KERNEL_MAX_KEYS_8_LANES = 4096
+from stateserve.layers.position_bias import PositionBias
 
 
 class Attention(nn.Module):
@@ -52,9 +47,9 @@ class Attention(nn.Module):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Stores new keys and values ([T, KH, D]) at their slots (block * block_size + offset)."""
         k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
-        kernels = cpu_kernels.load() if k.device.type == "cpu" else None
-        if kernels is not None:
-            kernels.write_kv_cache(self.k_cache, self.v_cache, k.contiguous(), v.contiguous(), slot_mapping)
+        kernel = kernels.table(k.device).write_kv(k.dtype)
+        if kernel is not None:
+            kernel(self.k_cache, self.v_cache, k.contiguous(), v.contiguous(), slot_mapping)
             return
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         self.k_cache[blocks, :, offsets] = k
@@ -67,8 +62,47 @@ class Attention(nn.Module):
             return cache[block_tables].transpose(-4, -3).flatten(-3, -2)[..., :length, :]
         return rows(self.k_cache), rows(self.v_cache)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]
+    def _forward_biased(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
+                        bias: PositionBias) -> torch.Tensor:
+        """forward with `bias` added to the scores. No C++ kernel takes a bias, so decoding sequences are gathered
+        and attended together, and each prefill chunk attends over its keys, all with SDPA and a float mask that
+        carries the bias and the causal -inf. Query and key positions are absolute (a chunk's queries sit at
+        context_len + r), so chunked prefill and decode see the scores a full recompute would."""
+        cached = self.k_cache is not None
+        if cached:
+            self.write_kv(k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if cached and meta.decode_rows is not None and meta.decode_rows.numel():
+            num_blocks = -(-meta.decode_max_seq_len // self.block_size)
+            kd, vd = (x.to(q.dtype) for x in self.cached_kv(meta.decode_block_tables[:, :num_blocks],
+                                                             num_blocks * self.block_size))  # [Sd, KH, nb*bs, D]
+            # each query sits at seq_len - 1; the padding keys past it count as later keys, so causal masks them
+            rel = torch.arange(kd.shape[2], device=q.device) - (meta.decode_seq_lens[:, None, None] - 1)
+            mask = bias.scores("decode", rel, True, q.dtype)  # [Sd, H, 1, nb*bs]
+            od = self._sdpa(q.index_select(0, meta.decode_rows).unsqueeze(2), kd, vd, mask, False).squeeze(2)
+            if od.shape[0] == q.shape[0]:
+                return od
+            out.index_copy_(0, meta.decode_rows, od)
+        for i in meta.prefill_seqs if cached else range(len(meta.query_lens)):
+            start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
+            if ctx == 0 or not cached:  # the keys are the chunk's own, at the queries' positions
+                first, ki, vi = ctx, k[start:start + qlen].transpose(0, 1), v[start:start + qlen].transpose(0, 1)
+            else:
+                first = 0
+                ki, vi = self.cached_kv(meta.block_tables[i, :-(-(ctx + qlen) // self.block_size)], ctx + qlen)
+            keys = torch.arange(first, ctx + qlen, device=q.device)
+            rel = keys[None, :] - torch.arange(ctx, ctx + qlen, device=q.device)[:, None]  # [Lq, Lk]
+            mask = bias.scores(("prefill", i), rel, self.causal, q.dtype).unsqueeze(0)  # [1, H, Lq, Lk]
+            qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+            ki, vi = ki.unsqueeze(0).to(q.dtype), vi.unsqueeze(0).to(q.dtype)
+            out[start:start + qlen] = self._sdpa(qi, ki, vi, mask, False).squeeze(0).transpose(0, 1)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
+                bias: PositionBias | None = None) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]; bias: added to the scores (T5's relative positions)
+        if bias is not None:
+            return self._forward_biased(q, k, v, meta, bias)
         if self.k_cache is None:
             return self._prefill(q, k, v, meta, range(len(meta.query_lens)), torch.empty_like(q))
         self.write_kv(k, v, meta.slot_mapping)
@@ -84,8 +118,10 @@ class Attention(nn.Module):
         write_kv_cache and paged_decode_attention for this layer, as forward would; None where forward would not
         take those kernels (no cache, not a decode-only step, another device or dtype, no kernels)."""
         k_cache = self.k_cache
-        if k_cache is None or not meta.is_decode_only or k_cache.device.type != "cpu" or k_cache.dtype != dtype \
-                or self.v_cache.dtype != dtype or cpu_kernels.load() is None:
+        if k_cache is None or not meta.is_decode_only or self.v_cache.dtype != k_cache.dtype:
+            return None
+        table = kernels.table(k_cache.device)
+        if table.write_kv(k_cache.dtype) is None or table.decode_attention(dtype, k_cache.dtype) is None:
             return None
         return k_cache, self.v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.scale
 
@@ -98,11 +134,9 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # q: [Sd, H, D], one new token per decoding sequence (already written to the cache)
         tables, lens, max_len = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_max_seq_len
-        if q.device.type == "cpu" and q.dtype == self.k_cache.dtype:
-            kernels = cpu_kernels.load()
-            if kernels is not None:
-                return kernels.paged_decode_attention(q.contiguous(), self.k_cache, self.v_cache, tables, lens,
-                                                      self.scale)
+        kernel = kernels.table(q.device).decode_attention(q.dtype, self.k_cache.dtype)
+        if kernel is not None:
+            return kernel(q.contiguous(), self.k_cache, self.v_cache, tables, lens, self.scale)
         return self._decode_gather(q, tables, lens, max_len)
 
     def _decode_gather(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -137,25 +171,22 @@ class Attention(nn.Module):
         out = o_ctx.float() * (lse_ctx - lse).exp().unsqueeze(-1) + o_new.float() * (lse_new - lse).exp().unsqueeze(-1)
         return out.to(qi.dtype)
 
-    def _prefill_kernels(self, q: torch.Tensor):
-        """The C++ module and the most keys a sequence may have for it, when its causal prefill kernel covers this
-        layer and q (CPU, cache bound, float32 or bfloat16, head size 64 or 128), else (None, 0)."""
-        if self.k_cache is None or not self.causal or q.device.type != "cpu" or q.dtype != self.k_cache.dtype:
+    def _prefill_kernel(self, q: torch.Tensor):
+        """The causal prefill kernel and the most keys a sequence may have for it, where the kernel table has one
+        for q and this layer's cache (a causal layer with its cache bound), else (None, 0)."""
+        if self.k_cache is None or not self.causal:
             return None, 0
-        kernels = cpu_kernels.load()
-        if kernels is None or not kernels.prefill_attention_supported(q.dtype, self.head_dim):
-            return None, 0
-        eight_lanes = kernels.simd_float32_lanes() == 8
-        return kernels, PREFILL_KERNEL_MAX_KEYS_8_LANES if eight_lanes else float("inf")
+        found = kernels.table(q.device).prefill_attention(q.dtype, self.k_cache.dtype, self.head_dim)
+        return found if found is not None else (None, 0)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata, seqs,
                  out: torch.Tensor) -> torch.Tensor:
         bs = self.block_size if self.k_cache is not None else 0
-        kernels, max_keys = self._prefill_kernels(q)
+        kernel, max_keys = self._prefill_kernel(q)
         for i in seqs:
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
-            if kernels is not None and ctx + qlen <= max_keys:  # the chunk's keys are cached: read blocks in place
-                out[start:start + qlen] = kernels.paged_prefill_attention(
+            if kernel is not None and ctx + qlen <= max_keys:  # the chunk's keys are cached: read blocks in place
+                out[start:start + qlen] = kernel(
                     q[start:start + qlen], self.k_cache, self.v_cache, meta.block_tables[i, :-(-(ctx + qlen) // bs)],
                     ctx, self.scale)
                 continue

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stateserve.model_states import CrossAttentionMarker
+from stateserve.layers.markers import CrossAttentionMarker
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [KH, L_enc, D]
 

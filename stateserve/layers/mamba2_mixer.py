@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 from stateserve.layers.linear import FewRowCall, few_row_limit
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived_from_module, float32_copy
@@ -59,12 +59,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # y: [T, hidden_size] float32, gate: [T, hidden_size] in the model dtype -> [T, hidden_size] in gate's dtype
-        if y.device.type == "cpu" and y.dim() == 2 and y.dtype == torch.float32 and \
-                gate.dtype in (torch.float32, torch.bfloat16):
-            kernels = cpu_kernels.load()
-            if kernels is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
-                return kernels.gated_rms_norm(y, gate, float32_copy(self, "weight"), self.group_size, self.eps,
-                                              self.norm_before_gate)
+        if y.dim() == 2:
+            kernel = kernels.table(y.device).gated_rms_norm(y.dtype, gate.dtype)
+            if kernel is not None:  # one pass instead of ~8 float32 elementwise ops and their temporaries
+                return kernel(y, gate, float32_copy(self, "weight"), self.group_size, self.eps, self.norm_before_gate)
         dtype = gate.dtype
         h = y.float()
         if not self.norm_before_gate:
@@ -161,10 +159,10 @@ class Mamba2Mixer(StatefulLayer):
 
     def _step_sizes(self, dt: torch.Tensor, clamp: bool) -> torch.Tensor:
         """dt: [T, H] raw projection -> softplus(dt + dt_bias), clamped; in the model dtype like transformers."""
-        kernels = cpu_kernels.load() if dt.device.type == "cpu" and dt.dim() == 2 else None
-        if kernels is not None and dt.dtype in (torch.float32, torch.bfloat16):  # the 4 ops below in one pass
+        kernel = kernels.table(dt.device).dt_softplus(dt.dtype) if dt.dim() == 2 else None
+        if kernel is not None:  # the 4 ops below in one pass
             lo, hi = self.time_step_limit if clamp else (float("-inf"), float("inf"))
-            return kernels.dt_softplus(dt, float32_copy(self, "dt_bias"), lo, hi)
+            return kernel(dt, float32_copy(self, "dt_bias"), lo, hi)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         if clamp:
             dt = torch.clamp(dt, min=self.time_step_limit[0], max=self.time_step_limit[1])
@@ -244,10 +242,10 @@ class Mamba2Mixer(StatefulLayer):
               initial: torch.Tensor | None, offsets: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One sequence's SSD scan from `initial` (zeros if None) -> (y [L, H, P] float32, {offset: state after
         that many tokens}) for the sorted `offsets`, whose last entry is L."""
-        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-        if kernels is not None:  # sequential recurrence: fewer FLOPs than the chunked form on a CPU
-            y, final, snaps = kernels.ssd_scan_fwd(x.float(), dt, A, B.float(), C.float(), float32_copy(self, "D"),
-                                                   initial, offsets[:-1])
+        kernel = kernels.table(x.device).ssd_scan()
+        if kernel is not None:  # sequential recurrence: fewer FLOPs than the chunked form on a CPU
+            y, final, snaps = kernel(x.float(), dt, A, B.float(), C.float(), float32_copy(self, "D"), initial,
+                                     offsets[:-1])
             return y, {**{off: snaps[j] for j, off in enumerate(offsets[:-1])}, offsets[-1]: final}
         # Chunked SSD; requested snapshots split it into segments, each resuming from the previous one's state.
         y = x.new_empty(x.shape, dtype=torch.float32)
@@ -273,17 +271,14 @@ class Mamba2Mixer(StatefulLayer):
             conv_states.index_fill_(0, idx, 0)
             ssm_states.index_fill_(0, idx, 0)
         fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
-        kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
-        if kernels is not None and fuse_silu and ssm_states.dtype in (torch.float32, torch.bfloat16) \
-                and conv_states.is_contiguous() \
-                and xbc.dtype == conv_states.dtype == self.conv1d.weight.dtype and dt.dtype == xbc.dtype \
-                and dt.dtype in (torch.float32, torch.bfloat16):
+        kernel = kernels.table(ssm_states.device).mamba2_decode(xbc.dtype, dt.dtype, conv_states.dtype,
+                                                                self.conv1d.weight.dtype, ssm_states.dtype)
+        if kernel is not None and fuse_silu and conv_states.is_contiguous():
             # conv, step sizes and state update in one call: the same kernels as below, ~40 us less a layer
             lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
             taps, conv_bias = self.conv_taps()
-            y = kernels.mamba2_decode_(conv_states, ssm_states, slots, xbc, dt, taps, conv_bias,
-                                       float32_copy(self, "dt_bias"), lo, hi, A, float32_copy(self, "D"),
-                                       self.n_groups)  # [S', H, P]
+            y = kernel(conv_states, ssm_states, slots, xbc, dt, taps, conv_bias, float32_copy(self, "dt_bias"), lo,
+                       hi, A, float32_copy(self, "D"), self.n_groups)  # [S', H, P]
         else:
             y = self._decode_unfused(xbc, dt, A, slots)
         self._copy_decode_checkpoints(meta, seqs, slots)
@@ -293,16 +288,14 @@ class Mamba2Mixer(StatefulLayer):
         """x: [S, hidden] -> [S, hidden]: a decode-only step from in_proj to out_proj in one kernel call (the kernels
         of the path through forward and _decode, same roundings), when both projections take the few-row kernel
         and _decode would take mamba2_decode_; None otherwise."""
-        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernels is not None else None
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
-        if call is None or not call.applies(x) or ssm_states.dtype not in (torch.float32, torch.bfloat16) \
-                or not conv_states.is_contiguous() or conv_states.dtype != x.dtype:
+        kernel = kernels.table(x.device).mamba2_mixer_decode(x.dtype, conv_states.dtype, ssm_states.dtype)
+        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernel is not None else None
+        if call is None or not call.applies(x) or not conv_states.is_contiguous():
             return None
         before_limits, after_limits = call.args
         lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))  # a switch
-        out = kernels.mamba2_mixer_decode_(x, conv_states, ssm_states, meta.slots, *before_limits, lo, hi,
-                                           *after_limits)
+        out = kernel(x, conv_states, ssm_states, meta.slots, *before_limits, lo, hi, *after_limits)
         self._copy_decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
         return out
 
@@ -331,10 +324,9 @@ class Mamba2Mixer(StatefulLayer):
                                         silu_float32=fuse_silu, taps=self.conv_taps())
         x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
         dt = self._step_sizes(dt, clamp=self.clamp_dt_on_decode)
-        kernels = cpu_kernels.load() if ssm_states.device.type == "cpu" else None
-        if kernels is not None and ssm_states.dtype in (torch.float32, torch.bfloat16):
-            # in place, [S', H, P]
-            y = kernels.ssd_state_update_(ssm_states, slots, x, dt, A, B, C, float32_copy(self, "D"))
+        kernel = kernels.table(ssm_states.device).ssd_update(ssm_states.dtype)
+        if kernel is not None:  # in place, [S', H, P]
+            y = kernel(ssm_states, slots, x, dt, A, B, C, float32_copy(self, "D"))
         else:
             y, new_state = ssd_decode_step(ssm_states[slots], x, dt, A, B, C, self.D)
             ssm_states.index_copy_(0, slots, new_state.to(ssm_states.dtype))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 
 # On CPU the fused C++ kernels serve every row count: for a few decode rows they save PyTorch's dispatches, for
 # prefill chunks the float32 temporaries (and their page faults) of the 5-7 elementwise ops they replace.
@@ -17,11 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype \
-                and x.dtype in (torch.float32, torch.bfloat16):
-            kernels = cpu_kernels.load()
-            if kernels is not None:
-                return kernels.rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2:
+            kernel = kernels.table(x.device).rms_norm(x.dtype, self.weight.dtype)
+            if kernel is not None:
+                return kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,27 +36,19 @@ class RMSNorm(nn.Module):
         if residual is None:
             residual = x.float() if stream_float32 and x.dtype != torch.float32 else x.clone()
             return self(x.to(self.weight.dtype)), residual
-        if x.dim() == 2 and x.device.type == "cpu" and residual.is_contiguous() and x.shape == residual.shape \
-                and (residual.dtype, x.dtype, self.weight.dtype) in _ADD_NORM_DTYPES:
-            kernels = cpu_kernels.load()
-            if kernels is not None:
-                return kernels.add_rms_norm_(residual, x, self.weight, self.eps), residual
+        if x.dim() == 2 and residual.is_contiguous() and x.shape == residual.shape:
+            kernel = kernels.table(x.device).add_rms_norm(residual.dtype, x.dtype, self.weight.dtype)
+            if kernel is not None:
+                return kernel(residual, x, self.weight, self.eps), residual
         residual = residual + x
         return self(residual.to(self.weight.dtype)), residual
 
 
-_f32, _bf16 = torch.float32, torch.bfloat16
-# (residual, x, weight) dtypes that add_rms_norm_ takes: plain float32 or bfloat16 streams, and a float32 stream
-# of a bfloat16 model (residual_in_fp32)
-_ADD_NORM_DTYPES = {(_f32, _f32, _f32), (_bf16, _bf16, _bf16), (_f32, _bf16, _bf16)}
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2I] = [gate | up] -> silu(gate) * up, [..., I]."""
-    if x.dim() == 2 and x.device.type == "cpu" and \
-            x.dtype in (torch.float32, torch.bfloat16):
-        kernels = cpu_kernels.load()
-        if kernels is not None:
-            return kernels.silu_and_mul(x)
+    if x.dim() == 2:
+        kernel = kernels.table(x.device).silu_and_mul(x.dtype)
+        if kernel is not None:
+            return kernel(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

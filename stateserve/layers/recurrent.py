@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived
 
@@ -83,9 +83,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     C, K = weight.shape
     history = prev_state.t().to(x.dtype) if prev_state is not None else x.new_zeros(K - 1, C)
     inputs = ConvInput(history, x)
-    kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-    if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype:
-        return kernels.conv1d_prefill(x, history, weight, bias, silu_float32), inputs
+    kernel = kernels.table(x.device).conv_prefill(x.dtype, weight.dtype)
+    if kernel is not None:
+        return kernel(x, history, weight, bias, silu_float32), inputs
     padded = inputs.padded()
     y = F.conv1d(padded.t().contiguous().unsqueeze(0), weight.unsqueeze(1), bias, groups=C).squeeze(0).t()  # [L, C]
     return (F.silu(y).float() if silu_float32 else y), inputs
@@ -108,11 +108,11 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     decode); True sums products and bias in float32 and rounds once, like F.conv1d (its Mamba1 decode).
     silu_float32: returns `F.silu(y).float()` instead of y, fused into the kernel's pass.
     taps: the layer's `conv_taps()` (weight and bias in the kernel's layout), computed here when not given."""
-    kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-    if kernels is not None and x.dtype == conv_state.dtype == weight.dtype and conv_state.is_contiguous():
+    kernel = kernels.table(x.device).conv_update(x.dtype, conv_state.dtype, weight.dtype)
+    if kernel is not None and conv_state.is_contiguous():
         if taps is None:
             taps = (weight.float().t().contiguous(), None if bias is None else bias.to(weight.dtype).float())
-        return kernels.conv1d_update_(conv_state, slots, x, taps[0], taps[1], float_accumulate, silu_float32)
+        return kernel(conv_state, slots, x, taps[0], taps[1], float_accumulate, silu_float32)
     if silu_float32:
         return F.silu(causal_conv1d_decode(x, weight, bias, conv_state, slots, float_accumulate)).float()
     if float_accumulate:

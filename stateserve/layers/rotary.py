@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
@@ -104,14 +104,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 seq_lens_per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, KH, D]
-        kernels = cpu_kernels.load() if q.device.type == "cpu" else None
-        if kernels is not None and not self._dynamic_scaling(seq_lens_per_token) and \
-                q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and self.dim % 2 == 0 and \
+        kernel = kernels.table(q.device).rotary(q.dtype, k.dtype)
+        if kernel is not None and not self._dynamic_scaling(seq_lens_per_token) and self.dim % 2 == 0 and \
                 _heads_contiguous(q) and _heads_contiguous(k):
             # in place, one pass over q and k; False (nothing done) when a position is past the table
-            if self._table is None or not kernels.rotary_(q, k, self._table, positions, self.dim):
+            if self._table is None or not kernel(q, k, self._table, positions, self.dim):
                 self._ensure_table(positions)
-                if not kernels.rotary_(q, k, self._table, positions, self.dim):
+                if not kernel(q, k, self._table, positions, self.dim):
                     raise RuntimeError("rotary table does not cover the positions")
             return q, k
         cos, sin = self._cos_sin(positions, seq_lens_per_token)  # [T, dim/2] float32

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
-from stateserve.layers import cpu_kernels
+from stateserve.platform import kernels
 from stateserve.layers.linear import FewRowCall, few_row_limit, linear_without_bias
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
@@ -73,12 +73,12 @@ def selective_scan_prefill(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
         raise ValueError("selective_scan_prefill: D and z come together")
     L, d_inner = u.shape
     d_state = A.shape[1]
-    kernels = cpu_kernels.load() if u.device.type == "cpu" else None
-    if kernels is not None and u.dtype in (torch.float32, torch.bfloat16):
+    kernel = kernels.table(u.device).selective_scan(u.dtype)
+    if kernel is not None:
         offsets = sorted(set(snapshot_offsets))
         # u, dt and z are read in place in u's dtype; y's product with C rounds the state to that dtype first, as
         # the matmul below does
-        y, h, snaps = kernels.selective_scan_fwd(u, dt, A, B, C, h0, offsets, D, z, dt_bias)
+        y, h, snaps = kernel(u, dt, A, B, C, h0, offsets, D, z, dt_bias)
         return y.to(u.dtype), h, {off: snaps[i] for i, off in enumerate(offsets)}
     if dt_bias is not None:
         dt = F.softplus(dt + dt_bias.to(dt.dtype))
@@ -113,11 +113,11 @@ def selective_state_update(ssm_state: torch.Tensor, slots: torch.Tensor, u: torc
     """One token for each of S sequences, batched. ssm_state: [num_slots, D, N] float32, updated at `slots`.
 
     u, dt_raw (before bias), z: [S, D]; B, C: [S, N]; A: [D, N] float32. Returns the gated output [S, D]."""
-    kernels = cpu_kernels.load() if ssm_state.device.type == "cpu" else None
-    if kernels is not None and ssm_state.dtype == torch.float32 and u.dtype in (torch.float32, torch.bfloat16) \
-            and u.dtype == dt_raw.dtype == B.dtype == C.dtype == z.dtype:
+    kernel = kernels.table(ssm_state.device).selective_update(ssm_state.dtype, u.dtype, dt_raw.dtype, B.dtype,
+                                                              C.dtype, z.dtype)
+    if kernel is not None:
         # step sizes, the update and everything below in one pass over each state, in place, same rounding
-        return kernels.selective_state_update_(ssm_state, slots, u, dt_raw, dt_bias, A, B, C, D, z)
+        return kernel(ssm_state, slots, u, dt_raw, dt_bias, A, B, C, D, z)
     dt = F.softplus(dt_raw + dt_bias.to(dt_raw.dtype))  # model dtype, as transformers
     dt32 = dt.float()[:, :, None]
     h = ssm_state[slots].float() * torch.exp(dt32 * A) + (dt32 * B.float()[:, None, :]) * u.float()[:, :, None]
@@ -227,12 +227,12 @@ class MambaMixer(StatefulLayer):
     def _fused_decode(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor | None:
         """x: [S, hidden] -> [S, hidden]: the whole step in one kernel call (csrc mamba1_update.cpp), same ops and
         roundings as the path below, when every linear takes the few-row kernel; None where it does not apply."""
-        kernels = cpu_kernels.load() if x.device.type == "cpu" else None
-        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernels is not None else None
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
-        if call is None or not call.applies(x) or conv_state.dtype != x.dtype or ssm_state.dtype != torch.float32:
+        kernel = kernels.table(x.device).mamba1_decode(x.dtype, conv_state.dtype, ssm_state.dtype)
+        call = derived_from_module(self, "fused decode", self._fused_decode_call) if kernel is not None else None
+        if call is None or not call.applies(x):
             return None
-        out = kernels.mamba1_decode_(x, conv_state, ssm_state, meta.slots, *call.args)
+        out = kernel(x, conv_state, ssm_state, meta.slots, *call.args)
         self._decode_checkpoints(meta, list(range(len(meta.query_lens))), meta.slots)
         return out
 

@@ -4,18 +4,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from torch import nn
+from stateserve.layers.markers import CrossAttentionMarker, EncoderOnlyAttentionMarker
 
 if TYPE_CHECKING:
     from stateserve.model_states.interface import ModelState
-
-
-class CrossAttentionMarker:
-    """Mixin for modules that attend from decoder to encoder outputs; the router looks for it."""
-
-
-class EncoderOnlyAttentionMarker:
-    """Mixin for bidirectional encoder attention modules with no KV cache."""
+    from stateserve.models.base import ModelBase
 
 
 _STATES = {
@@ -31,11 +24,12 @@ def _load(key: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def resolve_model_state_cls(model: nn.Module, *, is_hybrid: bool, is_attention_free: bool) -> type["ModelState"]:
+def resolve_model_state_cls(model: "ModelBase", *, is_hybrid: bool, is_attention_free: bool) -> type["ModelState"]:
     """Route in a fixed order; the first match wins:
     model's own get_model_state_cls() -> cross-attention -> encoder-only attention -> recurrent -> default."""
-    if hasattr(type(model), "get_model_state_cls"):
-        return type(model).get_model_state_cls()
+    own = type(model).get_model_state_cls()
+    if own is not None:
+        return own
     modules = list(model.modules())
     if any(isinstance(m, CrossAttentionMarker) for m in modules):
         return _load("encoder_decoder")

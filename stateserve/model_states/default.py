@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
-from stateserve.model_states.interface import ModelState
-from stateserve.runner.input_batch import InputBatch
+from stateserve.model_states.interface import GraphBuffers, ModelState
+from stateserve.core.batch import InputBatch
 
 
 def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.device) -> AttnMetadata:
@@ -44,3 +44,30 @@ class DefaultModelState(ModelState):
 
     def prepare_meta(self, batch: InputBatch) -> ForwardMeta:
         return ForwardMeta(batch.num_tokens, attn=build_paged_attn_metadata(batch, self.block_size, self.device))
+
+    def graph_unsupported_reason(self) -> str | None:
+        # graph_meta must rebuild what prepare_meta builds: a subclass that changes one without the other cannot
+        # replay (encoder-decoder states, plug-in states with extra inputs)
+        if _defined_by(type(self), "prepare_meta") is not _defined_by(type(self), "graph_meta"):
+            return super().graph_unsupported_reason()
+        if self.model.dynamic_rope:
+            return "dynamic NTK rope reads host-side sequence lengths each step"
+        return None
+
+    def graph_meta(self, buffers: GraphBuffers, size: int, width: int) -> ForwardMeta:
+        return ForwardMeta(size, attn=graph_attn_metadata(buffers, size, width) if self.uses_kv_cache else None)
+
+
+def _defined_by(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def graph_attn_metadata(buffers: GraphBuffers, size: int, width: int) -> AttnMetadata:
+    """Decode metadata over the persistent buffers: every sequence attends over the full table width, masked by
+    its length, so the host-side values are the same at every replay."""
+    tables, lens = buffers.block_tables[:size], buffers.seq_lens[:size]
+    return AttnMetadata(query_start_loc=list(range(size + 1)), query_lens=[1] * size,
+                        context_lens=[width - 1] * size, seq_lens=[width] * size, is_decode_only=True,
+                        slot_mapping=buffers.slot_mapping[:size], block_tables=tables, seq_lens_t=lens,
+                        max_seq_len=width, decode_rows=buffers.rows[:size], decode_block_tables=tables,
+                        decode_seq_lens=lens, decode_max_seq_len=width)

@@ -23,7 +23,8 @@ import torch
 from stateserve.layers.cross_attention import KV, CrossAttnMetadata, stack_padded
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.default import DefaultModelState, build_paged_attn_metadata
-from stateserve.runner.input_batch import InputBatch
+from stateserve.models.base import ModelBase
+from stateserve.core.batch import InputBatch
 
 
 @dataclass(eq=False)
@@ -74,12 +75,11 @@ def hash_encoder_data(data: dict[str, Any]) -> bytes:
 class EncoderDecoderModelState(DefaultModelState):
     uses_kv_cache = True
     uses_state_cache = False
-    is_encoder_decoder = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for name in ("encode", "cross_kv", "prepare_encoder_input"):
-            if not callable(getattr(self.model, name, None)):
+            if getattr(type(self.model), name) is getattr(ModelBase, name):
                 raise TypeError(f"{type(self.model).__name__} has cross-attention but no {name}() method")
         self.encoder_cache: dict[str, _Entry] = {}  # request id -> cross K/V of every decoder layer
         self._serials = itertools.count()
@@ -118,6 +118,16 @@ class EncoderDecoderModelState(DefaultModelState):
         dec_ids, encoder_input = self.prepare_prompt(dec_ids, raw)
         return (dec_text if dec_text is not None else enc_text), dec_ids, encoder_input
 
+    def prepare_inputs(self, prompt_token_ids: list[int], encoder_input: Any) -> tuple[list[int], Any]:
+        """Without an encoder input the prompt ids are the encoder input and decoding starts from the start token."""
+        if encoder_input is None:
+            return self.prepare_prompt(None, {"input_ids": list(prompt_token_ids)})
+        return prompt_token_ids, encoder_input
+
+    def dummy_seq_len(self) -> int | None:
+        # a decoder step needs the cross K/V that only a real encoder input gives: the logits-based estimate
+        return None
+
     def prepare_prompt(self, decoder_ids: list[int] | None, encoder_raw: dict[str, Any]) -> tuple[list[int],
                                                                                                  EncoderInput]:
         """(decoder prompt ids, EncoderInput) from what the user gave. Raises ValueError on bad input.
@@ -144,7 +154,7 @@ class EncoderDecoderModelState(DefaultModelState):
 
     def _encode(self, reqs: list) -> None:
         for req in reqs:
-            if getattr(req, "encoder_input", None) is None:
+            if req.encoder_input is None:
                 raise RuntimeError(f"request {req.request_id} of an encoder-decoder model has no encoder input")
         # bound the encoder's batch by the step token budget (its activations are not kept)
         budget = self.engine_config.max_num_batched_tokens

@@ -8,11 +8,21 @@ With prefix caching, this state decides where recurrent snapshots are taken (mam
 Snapshots are reserved before the forward and published only after it, so nothing reads a partial state."""
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 import torch
 
+from stateserve.core.batch import InputBatch
 from stateserve.layers.metadata import ForwardMeta, StateMetadata
-from stateserve.model_states.default import DefaultModelState, build_paged_attn_metadata
-from stateserve.runner.input_batch import InputBatch
+from stateserve.layers.recurrent import StatefulLayer
+from stateserve.model_states.default import DefaultModelState, build_paged_attn_metadata, graph_attn_metadata
+from stateserve.model_states.interface import CachePolicy, GraphBuffers
+
+logger = logging.getLogger("stateserve")
+MAX_SNAPSHOT_SLOTS = 1024
+SNAPSHOT_SLOTS_PER_SEQ = 64
 
 
 class MambaHybridModelState(DefaultModelState):
@@ -22,13 +32,64 @@ class MambaHybridModelState(DefaultModelState):
         super().__init__(*args, **kwargs)
         # attention-free models have no KV at all; hybrids have both
         self.uses_kv_cache = not self.model_config.is_attention_free
-        self.cache = None  # CacheManager, attached by the engine
+        self.cache = None  # CacheManager, attached by the runner
         self.mode = "none"
         self._post_copies: list[tuple[int, int]] = []  # (running slot, snapshot slot) copied after the forward
+        self._recurrent = [m for m in self.model.modules() if isinstance(m, StatefulLayer)]
+        self._apply_ssm_state_dtype()
 
-    def attach_cache(self, cache, mamba_cache_mode: str) -> None:
+    def _apply_ssm_state_dtype(self) -> None:
+        """mamba_ssm_cache_dtype: a named dtype is kept by each recurrent layer or refused (ValueError); auto is the
+        model dtype wherever a layer can keep it (Mamba2-style mixers), float32 elsewhere (Mamba1, gated delta
+        net), as vLLM's auto and transformers' caches keep the model dtype."""
+        choice = self.engine_config.mamba_ssm_cache_dtype
+        dtype = self.model_config.dtype if choice == "auto" else getattr(torch, choice)
+        if dtype == torch.float32:
+            return
+        for m in self._recurrent:
+            if choice != "auto" or dtype in m.ssm_state_dtypes:
+                m.set_ssm_state_dtype(dtype)
+
+    def cache_policy(self) -> CachePolicy:
+        """Snapshots only with prefix caching on; 'all' by default (docs/prefix_caching.md says why)."""
+        prefix_caching = super().cache_policy().prefix_caching
+        mode = self.engine_config.mamba_cache_mode
+        if not prefix_caching:
+            if mode not in (None, "none"):
+                logger.warning("mamba_cache_mode=%s ignored: prefix caching is off", mode)
+            return CachePolicy(prefix_caching=False)
+        mode = mode or "all"
+        slots = 0 if mode == "none" else min(MAX_SNAPSHOT_SLOTS, self.engine_config.max_num_seqs * SNAPSHOT_SLOTS_PER_SEQ)
+        return CachePolicy(prefix_caching=True, mamba_cache_mode=mode, num_snapshot_slots=slots)
+
+    def attach_cache(self, cache) -> None:
         self.cache = cache
-        self.mode = mamba_cache_mode if cache.snapshots is not None else "none"
+        self.mode = self.cache_policy().mamba_cache_mode if cache.snapshots is not None else "none"
+
+    @contextlib.contextmanager
+    def profile_meta(self, lens: list[int]) -> Iterator[ForwardMeta]:
+        """The attention metadata of the base class, plus a temporary state of one slot per sequence, bound to every
+        recurrent layer for the dummy forward and dropped afterwards (the real caches do not exist yet)."""
+        with super().profile_meta(lens) as meta:
+            state = StateMetadata(query_start_loc=meta.attn.query_start_loc, query_lens=list(lens),
+                                  has_initial_state=[False] * len(lens),
+                                  slots=torch.arange(len(lens), device=self.device), is_decode_only=False)
+            try:
+                for m in self._recurrent:
+                    spec = m.cache_spec()
+                    dtypes = dict(spec.dtypes)
+                    m.bind_cache({k: torch.zeros(len(lens), *s, dtype=dtypes[k], device=self.device)
+                                  for k, s in spec.shapes})
+                yield ForwardMeta(meta.num_tokens, attn=meta.attn, state=state)
+            finally:
+                for m in self._recurrent:
+                    m.bind_cache(None)
+
+    def graph_meta(self, buffers: GraphBuffers, size: int, width: int) -> ForwardMeta:
+        attn = graph_attn_metadata(buffers, size, width) if self.uses_kv_cache else None
+        state = StateMetadata(query_start_loc=list(range(size + 1)), query_lens=[1] * size,
+                              slots=buffers.state_slots[:size], has_initial_state=[True] * size, is_decode_only=True)
+        return ForwardMeta(size, attn=attn, state=state)
 
     def chunk_size(self, req, num_tokens: int) -> int:
         if self.mode != "align" or req.num_computed_tokens + num_tokens >= req.num_tokens:

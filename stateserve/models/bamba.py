@@ -21,8 +21,9 @@ from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
-from stateserve.models.base import ModelBase, stacked
-from stateserve.models.llama import DecoderAttention, rope_seq_lens
+from stateserve.layers.markers import stacked
+from stateserve.models.base import ModelBase
+from stateserve.layers.decoder_layer import DecoderAttention, rope_seq_lens
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}

@@ -1,8 +1,9 @@
 """BART (BartForConditionalGeneration): a post-LayerNorm encoder-decoder with learned positions (offset 2),
 layernorm_embedding, optional sqrt(d_model) embedding scale and final_logits_bias.
 
-The attention modules here (encoder self-attention, paged decoder self-attention, cross-attention) are
-shared with Whisper, which differs in pre-LayerNorm placement and a k_proj without bias.
+The attention modules (encoder self-attention, paged decoder self-attention, cross-attention) live in
+layers/encoder_decoder_blocks.py, shared with Whisper (which differs in pre-LayerNorm placement and a k_proj
+without bias).
 Encoder-decoder protocol (used by EncoderDecoderModelState): prepare_encoder_input, encode, cross_kv."""
 from __future__ import annotations
 
@@ -12,64 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stateserve.layers.attention import Attention
-from stateserve.layers.cross_attention import (KV, CrossAttention, CrossAttnMetadata, activation, encoder_attention,
-                                               padding_mask)
+from stateserve.layers.cross_attention import KV, CrossAttnMetadata, activation, padding_mask
+from stateserve.layers.encoder_decoder_blocks import (DecoderCrossAttention, DecoderSelfAttention,
+                                                      EncoderSelfAttention, pad_ids, text_encoder_input)
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.models.base import ModelBase
 
 _POSITION_OFFSET = 2  # BART's learned position tables start 2 rows in (a fairseq leftover)
-
-
-class Projections(nn.Module):
-    """q/k/v/out projections of one multi-head attention (names as in transformers' Bart/Whisper)."""
-
-    def __init__(self, d_model: int, num_heads: int, bias: bool = True, k_bias: bool = True) -> None:
-        super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} is not a multiple of the attention heads ({num_heads})")
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias and k_bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(*x.shape[:-1], self.num_heads, self.head_dim)
-
-
-class EncoderSelfAttention(Projections):
-    def forward(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        # x: [B, L, d]; valid: [B, L] or None
-        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
-        return self.out_proj(encoder_attention(q, k, v, valid, self.scale).flatten(2))
-
-
-class DecoderSelfAttention(Projections):
-    def __init__(self, d_model: int, num_heads: int, dtype: torch.dtype, k_bias: bool = True) -> None:
-        super().__init__(d_model, num_heads, k_bias=k_bias)
-        self.attn = Attention(num_heads, num_heads, self.head_dim, self.scale, dtype)
-
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # x: [T, d]
-        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
-        return self.out_proj(self.attn(q, k, v, meta).flatten(1))
-
-
-class DecoderCrossAttention(Projections):
-    def __init__(self, d_model: int, num_heads: int, layer_idx: int, k_bias: bool = True) -> None:
-        super().__init__(d_model, num_heads, k_bias=k_bias)
-        self.attn = CrossAttention(num_heads, num_heads, self.head_dim, self.scale, layer_idx)
-
-    def project_kv(self, encoder_hidden: torch.Tensor) -> KV:
-        # encoder_hidden: [L, d] -> k, v: [H, L, D]
-        k = self.heads(self.k_proj(encoder_hidden)).transpose(0, 1).contiguous()
-        v = self.heads(self.v_proj(encoder_hidden)).transpose(0, 1).contiguous()
-        return k, v
-
-    def forward(self, x: torch.Tensor, meta: CrossAttnMetadata) -> torch.Tensor:
-        return self.out_proj(self.attn(self.heads(self.q_proj(x)), meta).flatten(1))
 
 
 class BartEncoderLayer(nn.Module):
@@ -120,32 +70,6 @@ class _BartModel(nn.Module):
         self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.encoder = _Stack(cfg, [BartEncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
         self.decoder = _Stack(cfg, [BartDecoderLayer(cfg, dtype, i) for i in range(cfg.decoder_layers)])
-
-
-def text_encoder_input(raw: dict[str, Any], vocab_size: int, max_len: int, limit_name: str) -> tuple[dict, int]:
-    """Validate {"input_ids": [...]} for a text encoder: non-empty, in the vocabulary, within max_len."""
-    unknown = set(raw) - {"input_ids"}
-    if unknown or "input_ids" not in raw:
-        raise ValueError(f"this model's encoder takes text (an encoder prompt); got encoder input key(s) "
-                         f"{sorted(raw)}")
-    ids = raw["input_ids"]
-    if not isinstance(ids, (list, tuple)) or not ids:
-        raise ValueError("encoder prompt is empty: give at least one token")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"encoder prompt has token id(s) outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    if len(ids) > max_len:
-        raise ValueError(f"encoder prompt has {len(ids)} tokens, more than the encoder's {limit_name}={max_len}")
-    return {"input_ids": list(ids)}, len(ids)
-
-
-def pad_ids(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """Right-pad token id lists into [B, L_max] (pad id 0; padded keys are masked out)."""
-    lens = [len(s) for s in seqs]
-    ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids.to(device), lens
 
 
 class BartForConditionalGeneration(ModelBase):

@@ -1,8 +1,9 @@
-"""What every model class provides to the runner.
+"""What every model class provides to the runner, and every optional hook a model class may override.
 
 A model: forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]; compute_logits(hidden [n, hidden])
 -> [n, vocab]; class flags is_attention_free / is_hybrid; map_weight_name for checkpoint names.
-Layers that need a cache expose cache_spec()/bind_cache(); the model never allocates one."""
+Layers that need a cache expose cache_spec()/bind_cache(); the model never allocates one. Every hook the engine,
+the runner or a model state may consult is declared here with its default, so none is found by probing."""
 from __future__ import annotations
 
 from typing import Any, ClassVar
@@ -18,6 +19,49 @@ class ModelBase(nn.Module):
     is_hybrid: ClassVar[bool] = False
     # param name -> the param it shares storage with (tied embeddings); not read from checkpoints
     tied_params: ClassVar[dict[str, str]] = {}
+    # embedding models: a pooling head instead of an LM head, and the pooling mode without a pooling config
+    is_pooling_model: ClassVar[bool] = False
+    default_pooling_mode: ClassVar[str] = "cls"
+    # dynamic NTK rope reads host-side sequence lengths each step (no decode graphs); set by models that have it
+    dynamic_rope: bool = False
+    # encoder-decoder models: the decoder's start token, and whether it is put before a decoder prompt given
+    # without it (transformers' generate does for BART and T5, not for Whisper)
+    decoder_start_token_id: int | None = None
+    prepends_decoder_start: ClassVar[bool] = True
+
+    # ---- class hooks: routing and limits -------------------------------------------------------
+    @classmethod
+    def get_model_state_cls(cls) -> type | None:
+        """A ModelState class of the model's own (a plug-in model kind); None: the router decides."""
+        return None
+
+    @classmethod
+    def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:
+        """(is_attention_free, is_hybrid) of this config (a hybrid family's config may be all attention)."""
+        return cls.is_attention_free, cls.is_hybrid
+
+    @classmethod
+    def max_positions(cls, hf_config: Any) -> int | None:
+        """The longest sequence the model can position (None: unbounded, e.g. a recurrent model)."""
+        return getattr(hf_config, "max_position_embeddings", None)
+
+    @classmethod
+    def max_encoder_len(cls, hf_config: Any) -> int | None:
+        """Encoder-only models: the longest prompt the encoder takes (None: max_model_len)."""
+        return None
+
+    # ---- encoder-decoder hooks (model_states/encoder_decoder.py calls them) ---------------------
+    def prepare_encoder_input(self, raw: dict[str, Any], model_path: str, max_len: int) -> tuple[dict, int]:
+        """The user's encoder input -> (validated model-ready data, encoder output length); ValueError if bad."""
+        raise NotImplementedError
+
+    def encode(self, inputs: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """Encoder outputs, each [L_i, hidden]."""
+        raise NotImplementedError
+
+    def cross_kv(self, encoder_hidden: torch.Tensor) -> list[Any]:
+        """Per decoder layer, the cross-attention (k, v), each [KH, L, D], of one encoder output [L, hidden]."""
+        raise NotImplementedError
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -53,7 +97,7 @@ class ModelBase(nn.Module):
                 m.release()
 
 
-def stacked(param: nn.Parameter, shard_sizes: list[int]) -> nn.Parameter:
-    """Mark a fused parameter made of shards stacked on dim 0 (qkv, gate_up)."""
-    param.shard_sizes = shard_sizes  # type: ignore[attr-defined]
-    return param
+def multiplier(cfg: Any, name: str) -> float:
+    """A scalar multiplier from the config; a missing or null one means 1."""
+    value = getattr(cfg, name, None)
+    return 1.0 if value is None else float(value)

@@ -15,8 +15,9 @@ from torch import nn
 
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
-from stateserve.model_states import EncoderOnlyAttentionMarker
-from stateserve.models.base import ModelBase, stacked
+from stateserve.layers.markers import EncoderOnlyAttentionMarker
+from stateserve.layers.markers import stacked
+from stateserve.models.base import ModelBase
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # erf form

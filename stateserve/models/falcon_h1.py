@@ -22,9 +22,10 @@ from stateserve.layers.metadata import ForwardMeta
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
-from stateserve.models.base import ModelBase, stacked
-from stateserve.models.granitemoehybrid import HybridAttention, map_qkv_name, multiplier
-from stateserve.models.llama import rope_seq_lens
+from stateserve.layers.markers import stacked
+from stateserve.layers.qkv_attention import QKVAttention, map_qkv_name
+from stateserve.models.base import ModelBase, multiplier
+from stateserve.layers.decoder_layer import rope_seq_lens
 
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
@@ -77,7 +78,7 @@ class FalconH1DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, rotary: RotaryEmbedding, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         heads = cfg.num_attention_heads
-        self.self_attn = HybridAttention(
+        self.self_attn = QKVAttention(
             cfg.hidden_size, heads, cfg.num_key_value_heads or heads, head_dim, bias=bool(cfg.attention_bias),
             scale=head_dim ** -0.5, rotary=rotary, dtype=dtype, key_multiplier=multiplier(cfg, "key_multiplier"))
         self.mamba = falcon_mamba_mixer(cfg, dtype)
@@ -93,7 +94,7 @@ class FalconH1DecoderLayer(nn.Module):
         # x: [T, hidden]
         h = self.input_layernorm(x)
         ssm = self.mamba(h * self.ssm_in, meta.state) * self.ssm_out
-        attn = self.self_attn(h * self.attn_in, positions, meta.attn, rope_lens) * self.attn_out
+        attn = self.self_attn(h * self.attn_in, meta.attn, positions, rope_lens) * self.attn_out
         x = x + (ssm + attn)  # transformers sums the two branches before the residual
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 

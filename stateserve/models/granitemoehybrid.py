@@ -16,64 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from stateserve.layers.attention import Attention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
-from stateserve.layers.metadata import AttnMetadata, ForwardMeta
+from stateserve.layers.metadata import ForwardMeta
 from stateserve.layers.moe import GatedMLPExpert, SparseMoE
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
-from stateserve.models.base import ModelBase, stacked
-from stateserve.models.llama import rope_seq_lens
+from stateserve.layers.qkv_attention import QKVAttention, map_qkv_name
+from stateserve.models.base import ModelBase, multiplier
+from stateserve.layers.decoder_layer import rope_seq_lens
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 # transformers >= 5 spells the layer kinds linear_attention / full_attention; older configs say mamba / attention
 _LAYER_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention"}
-
-
-def multiplier(cfg: Any, name: str) -> float:
-    """A scalar multiplier from the config; a missing or null one means 1."""
-    value = getattr(cfg, name, None)
-    return 1.0 if value is None else float(value)
-
-
-def map_qkv_name(name: str) -> tuple[str, int | None] | None:
-    """`...self_attn.{q,k,v}_proj.{weight,bias}` -> the fused qkv_proj shard; None if not a q/k/v tensor."""
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _QKV:
-        return ".".join(parts[:-2] + ["qkv_proj", parts[-1]]), _QKV[parts[-2]]
-    return None
-
-
-class HybridAttention(nn.Module):
-    """Attention with fused q/k/v projections, an explicit score scale, optional rotary and key multiplier."""
-
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool,
-                 scale: float, rotary: RotaryEmbedding | None, dtype: torch.dtype, key_multiplier: float = 1.0) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(hidden_size, sum(self.sizes), bias=bias)
-        stacked(self.qkv_proj.weight, self.sizes)
-        if bias:
-            stacked(self.qkv_proj.bias, self.sizes)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=bias)
-        self.rotary = rotary
-        self.key_multiplier = key_multiplier
-        self.attn = Attention(num_heads, num_kv_heads, head_dim, scale, dtype)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
-                rope_lens: torch.Tensor | None) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.key_multiplier != 1.0:
-            k = k * self.key_multiplier
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(positions, q, k, rope_lens)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
 
 
 def layer_kinds(cfg: Any) -> list[str]:
@@ -116,7 +69,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         else:
             heads = cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-            self.self_attn = HybridAttention(
+            self.self_attn = QKVAttention(
                 cfg.hidden_size, heads, cfg.num_key_value_heads or heads, head_dim,
                 bias=bool(cfg.attention_bias), scale=multiplier(cfg, "attention_multiplier"), rotary=rotary,
                 dtype=dtype)
@@ -139,7 +92,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if self.kind == "mamba":
             h = self.mamba(h, meta.state)
         else:
-            h = self.self_attn(h, positions, meta.attn, rope_lens)
+            h = self.self_attn(h, meta.attn, positions, rope_lens)
         x = x + h * self.residual_multiplier
         h = self.post_attention_layernorm(x)
         h = self.block_sparse_moe(h) if self.block_sparse_moe is not None else self.shared_mlp(h)

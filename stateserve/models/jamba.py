@@ -17,14 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stateserve.layers.attention import Attention
-from stateserve.layers.metadata import AttnMetadata, ForwardMeta
+from stateserve.layers.metadata import ForwardMeta
 from stateserve.layers.moe import GatedMLPExpert, SparseMoE
 from stateserve.layers.norm import RMSNorm
+from stateserve.layers.qkv_attention import QKV_SHARDS, QKVAttention
 from stateserve.layers.selective_scan import MambaMixer
-from stateserve.models.base import ModelBase, stacked
+from stateserve.models.base import ModelBase
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
@@ -49,35 +48,12 @@ def mamba_dt_rank(cfg: Any) -> int:
     return math.ceil(cfg.hidden_size / 16) if rank == "auto" else int(rank)
 
 
-class JambaAttention(nn.Module):
-    """GQA attention without rotary embedding or biases: Jamba's Mamba layers carry the position information."""
-
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=False)
-        stacked(self.qkv_proj.weight, self.sizes)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype)
-
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        out = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                        v.view(-1, self.num_kv_heads, self.head_dim), meta)  # [T, H, D]
-        return self.o_proj(out.flatten(1))
-
-
 class JambaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, index: int, block_type: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.block_type = block_type
         if block_type == "attention":
-            self.self_attn = JambaAttention(cfg, dtype)
+            self.self_attn = QKVAttention.from_config(cfg, dtype)
         else:
             self.mamba = MambaMixer(
                 hidden_size=cfg.hidden_size, intermediate_size=int(cfg.mamba_expand * cfg.hidden_size),
@@ -145,6 +121,6 @@ class JambaForCausalLM(ModelBase):
             if parts[4] in _GATE_UP:
                 return f"{prefix}.gate_up_proj.{parts[-1]}", _GATE_UP[parts[4]]
             return name, None
-        if len(parts) >= 3 and parts[-3] == "self_attn" and parts[-2] in _QKV:
-            return ".".join(parts[:-2] + ["qkv_proj", parts[-1]]), _QKV[parts[-2]]
+        if len(parts) >= 3 and parts[-3] == "self_attn" and parts[-2] in QKV_SHARDS:
+            return ".".join(parts[:-2] + ["qkv_proj", parts[-1]]), QKV_SHARDS[parts[-2]]
         return name, None

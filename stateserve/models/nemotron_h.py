@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stateserve.layers.attention import Attention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
-from stateserve.layers.metadata import AttnMetadata, ForwardMeta
-from stateserve.models.base import ModelBase, stacked
+from stateserve.layers.markers import stacked
+from stateserve.layers.metadata import ForwardMeta
+from stateserve.layers.qkv_attention import QKV_SHARDS, QKVAttention
+from stateserve.models.base import ModelBase
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN_CHARS = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu2": lambda x: F.relu(x).square(), "relu": F.relu, "silu": F.silu, "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -92,28 +92,6 @@ def _mixer(cfg: Any, dtype: torch.dtype) -> Mamba2Mixer:
         time_step_limit=(cfg.time_step_min, float("inf")), clamp_dt_on_decode=True,
         time_step_min=cfg.time_step_min, time_step_max=cfg.time_step_max, time_step_floor=cfg.time_step_floor,
         dtype=dtype)
-
-
-class NemotronHAttention(nn.Module):
-    """GQA attention, no positional encoding (the Mamba layers carry position), no biases."""
-
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=False)
-        stacked(self.qkv_proj.weight, self.sizes)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype)
-
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        out = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                        v.view(-1, self.num_kv_heads, self.head_dim), meta)  # [T, H, D]
-        return self.o_proj(out.flatten(1))
 
 
 class NemotronHMLP(nn.Module):
@@ -225,7 +203,7 @@ class NemotronHBlock(nn.Module):
         if block_type == MAMBA:
             self.mixer: nn.Module = _mixer(cfg, dtype)
         elif block_type == ATTENTION:
-            self.mixer = NemotronHAttention(cfg, dtype)
+            self.mixer = QKVAttention.from_config(cfg, dtype)
         elif block_type == MLP:
             self.mixer = NemotronHMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, bool(cfg.mlp_bias))
         else:
@@ -283,8 +261,8 @@ class NemotronHForCausalLM(ModelBase):
         if name.startswith("model."):
             name = "backbone." + name[len("model."):]
         parts = name.split(".")
-        if len(parts) == 6 and parts[3] == "mixer" and parts[4] in _QKV:
-            return ".".join(parts[:4] + ["qkv_proj", parts[5]]), _QKV[parts[4]]
+        if len(parts) == 6 and parts[3] == "mixer" and parts[4] in QKV_SHARDS:
+            return ".".join(parts[:4] + ["qkv_proj", parts[5]]), QKV_SHARDS[parts[4]]
         # backbone.layers.N.mixer.experts.M.{up,down}_proj.weight
         if len(parts) == 8 and parts[3:5] == ["mixer", "experts"] and parts[6] in ("up_proj", "down_proj"):
             return ".".join(parts[:4] + [f"experts_{parts[6][:-5]}"]), int(parts[5])

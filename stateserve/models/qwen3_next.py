@@ -17,8 +17,9 @@ from stateserve.layers.delta_rule import GatedDeltaNet
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.moe import GatedMLPExpert, SparseMoE
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
-from stateserve.models.base import ModelBase, stacked
-from stateserve.models.llama import rope_seq_lens
+from stateserve.layers.markers import stacked
+from stateserve.models.base import ModelBase
+from stateserve.layers.decoder_layer import rope_seq_lens
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}

@@ -2,8 +2,9 @@
 embeddings; instead a learned bias per (relative-position bucket, head) is added to the self-attention scores
 (computed by the first block of each stack and shared by all blocks). Attention is unscaled (scale 1.0).
 
-The decoder's bias depends on each query's absolute position, so chunked prefill and decode see exactly the
-scores a full recompute would: queries of a chunk sit at context_len + r, a decoding query at seq_len - 1.
+The decoder's bias goes to the paged attention layer as a PositionBias: this file maps (key - query) positions to
+bias values, the layer picks the positions of each step (absolute ones, so chunked prefill and decode see exactly
+the scores a full recompute would).
 Feed-forward: relu / gelu_new (`feed_forward_proj`), or the gated variant ("gated-gelu", v1.1/Flan).
 Output: the LM head is tied to the shared embedding unless the checkpoint has its own lm_head.weight (the rule
 transformers applies), and the decoder output is scaled by d_model**-0.5 when config.scale_decoder_outputs
@@ -21,9 +22,10 @@ from torch import nn
 from stateserve.layers.attention import Attention
 from stateserve.layers.cross_attention import (KV, CrossAttention, CrossAttnMetadata, activation, encoder_attention,
                                                padding_mask)
+from stateserve.layers.encoder_decoder_blocks import pad_ids, text_encoder_input
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.norm import RMSNorm
-from stateserve.models.bart import pad_ids, text_encoder_input
+from stateserve.layers.position_bias import PositionBias
 from stateserve.models.base import ModelBase
 
 
@@ -42,61 +44,6 @@ def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_bu
     log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
     large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
     return buckets + torch.where(distance < max_exact, distance, large)
-
-
-class RelativeBiasPagedAttention(Attention):
-    """Paged causal attention with an additive score bias per sequence (T5's decoder self-attention).
-    Writes K/V through slot_mapping like Attention; reads each context through its block table."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata,
-                bias: "DecoderBias") -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]
-        self.write_kv(k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
-        bs = self.block_size
-        if bias.decode is not None:
-            num_blocks = -(-meta.decode_max_seq_len // bs)
-            kd, vd = (x.to(q.dtype) for x in self.cached_kv(meta.decode_block_tables[:, :num_blocks],
-                                                             num_blocks * bs))  # [Sd, KH, nb*bs, D]
-            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Sd, H, 1, D]
-            od = self._sdpa(qd, kd, vd, bias.decode, False).squeeze(2)
-            if od.shape[0] == q.shape[0]:
-                return od
-            out.index_copy_(0, meta.decode_rows, od)
-        for i in meta.prefill_seqs:
-            start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
-            if ctx == 0:
-                ki, vi = k[start:start + qlen].transpose(0, 1), v[start:start + qlen].transpose(0, 1)
-            else:
-                ki, vi = self.cached_kv(meta.block_tables[i, :-(-(ctx + qlen) // bs)], ctx + qlen)  # [KH, L, D]
-            qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
-            ki, vi = ki.unsqueeze(0).to(q.dtype), vi.unsqueeze(0).to(q.dtype)
-            out[start:start + qlen] = self._sdpa(qi, ki, vi, bias.prefill[i], False).squeeze(0).transpose(0, 1)
-        return out
-
-
-class DecoderBias:
-    """The decoder's position bias (+ causal / padding masks as -inf) for one step, shared by all blocks."""
-
-    def __init__(self, table: nn.Embedding, meta: AttnMetadata, bs: int, num_buckets: int, max_distance: int,
-                 dtype: torch.dtype) -> None:
-        device = table.weight.device
-
-        def scores(relative: torch.Tensor) -> torch.Tensor:  # [..., Lk] -> [..., H, Lk] with -inf above diag
-            b = table(relative_position_bucket(relative, False, num_buckets, max_distance)).to(dtype)
-            return b.movedim(-1, -2).masked_fill((relative > 0).unsqueeze(-2), float("-inf"))
-
-        self.decode: torch.Tensor | None = None  # [Sd, H, 1, nb*bs]
-        if meta.decode_rows is not None and meta.decode_rows.numel():
-            width = -(-meta.decode_max_seq_len // bs) * bs
-            rel = torch.arange(width, device=device)[None, :] - (meta.decode_seq_lens[:, None] - 1)
-            self.decode = scores(rel).unsqueeze(2)  # padded keys lie "after" the query: masked too
-        self.prefill: dict[int, torch.Tensor] = {}  # seq -> [1, H, Lq, ctx + Lq]
-        for i in meta.prefill_seqs:
-            ctx, qlen = meta.context_lens[i], meta.query_lens[i]
-            keys, queries = torch.arange(ctx + qlen, device=device), torch.arange(ctx, ctx + qlen, device=device)
-            rel = keys[None, :] - queries[:, None]
-            self.prefill[i] = scores(rel).transpose(0, 1).unsqueeze(0)
 
 
 class T5Attention(nn.Module):
@@ -123,9 +70,9 @@ class T5EncoderSelfAttention(T5Attention):
 class T5DecoderSelfAttention(T5Attention):
     def __init__(self, cfg: Any, has_bias_table: bool, dtype: torch.dtype) -> None:
         super().__init__(cfg, has_bias_table)
-        self.attn = RelativeBiasPagedAttention(self.num_heads, self.num_heads, self.head_dim, 1.0, dtype)
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, 1.0, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata, bias: DecoderBias) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttnMetadata, bias: PositionBias) -> torch.Tensor:
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
         return self.o(self.attn(q, k, v, meta, bias).flatten(1))
 
@@ -267,8 +214,10 @@ class T5ForConditionalGeneration(ModelBase):
     # ---- decoder -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         x = self.shared(input_ids)  # [T, d]
-        bs = self.decoder.block[0].layer[0].SelfAttention.attn.block_size
-        bias = DecoderBias(self.decoder.bias_table, meta.attn, bs, self.num_buckets, self.max_distance, x.dtype)
+        table = self.decoder.bias_table
+        # the attention layer picks the (key - query) positions of this step; the bias of each is looked up here
+        bias = PositionBias(lambda rel: table(relative_position_bucket(rel, False, self.num_buckets,
+                                                                       self.max_distance)))
         cross = meta.extra["cross"]
         for block in self.decoder.block:
             x = block.layer[0](x, meta.attn, bias)

@@ -1,7 +1,8 @@
 """Whisper (WhisperForConditionalGeneration): speech encoder-decoder. Audio becomes log-mel input features
 (transformers' WhisperFeatureExtractor, configured by the model folder's preprocessor_config.json); a conv
 front-end (kernel 3, the second with stride 2) halves the frames; sinusoidal encoder positions, learned decoder
-positions, pre-LayerNorm blocks with a bias-free k_proj (the attention modules are BART's).
+positions, pre-LayerNorm blocks with a bias-free k_proj (the attention modules are BART's, from
+layers/encoder_decoder_blocks.py).
 
 The decoder prompt (e.g. <|startoftranscript|><|en|><|transcribe|><|notimestamps|>) is used exactly as given,
 as transformers does for Whisper; with none, decoding starts from decoder_start_token_id alone."""
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers.cross_attention import KV, CrossAttnMetadata, activation, sinusoids
+from stateserve.layers.encoder_decoder_blocks import DecoderCrossAttention, DecoderSelfAttention, EncoderSelfAttention
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
-from stateserve.models.bart import DecoderCrossAttention, DecoderSelfAttention, EncoderSelfAttention
 from stateserve.models.base import ModelBase
 
 

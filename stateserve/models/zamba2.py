@@ -30,9 +30,10 @@ from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
-from stateserve.models.base import ModelBase, stacked
-from stateserve.models.granitemoehybrid import map_qkv_name
-from stateserve.models.llama import rope_seq_lens
+from stateserve.layers.markers import stacked
+from stateserve.models.base import ModelBase
+from stateserve.layers.qkv_attention import map_qkv_name
+from stateserve.layers.decoder_layer import rope_seq_lens
 
 # transformers >= 5 spells Mamba layers linear_attention; older configs say mamba
 _LAYER_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "hybrid": "hybrid"}

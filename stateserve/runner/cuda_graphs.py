@@ -21,8 +21,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
-from stateserve.runner.input_batch import InputBatch
+from stateserve.core.batch import InputBatch
+from stateserve.layers.metadata import ForwardMeta
+from stateserve.model_states.interface import GraphBuffers
 
 logger = logging.getLogger("stateserve")
 
@@ -128,21 +129,7 @@ def make_graph_backend(device: torch.device) -> GraphBackend | None:
     return None
 
 
-def unsupported_reason(model: torch.nn.Module, model_state: object) -> str | None:
-    """Why this model cannot run decode graphs, or None when it can."""
-    from stateserve.model_states.default import DefaultModelState
-    from stateserve.model_states.mamba_hybrid import MambaHybridModelState
-
-    if type(model_state) not in (DefaultModelState, MambaHybridModelState):
-        # encoder-decoder steps carry per-request cross-attention inputs; other states build metadata we
-        # cannot reproduce from persistent buffers
-        return f"{type(model_state).__name__} builds per-step metadata that a graph cannot replay"
-    if getattr(model, "dynamic_rope", False):
-        return "dynamic NTK rope reads host-side sequence lengths each step"
-    return None
-
-
-class DecodeGraphInputs:
+class DecodeGraphInputs(GraphBuffers):
     """Persistent device buffers for the largest captured size; graphs of size B read the first B rows."""
 
     def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -158,7 +145,8 @@ class DecodeGraphInputs:
 class DecodeGraphManager:
     """Owns the captured decode graphs of one runner and their persistent inputs."""
 
-    def __init__(self, model: torch.nn.Module, backend: GraphBackend, *, uses_kv_cache: bool,
+    def __init__(self, model: torch.nn.Module, backend: GraphBackend,
+                 graph_meta: Callable[[GraphBuffers, int, int], ForwardMeta], *, uses_kv_cache: bool,
                  uses_state_cache: bool, max_num_seqs: int, max_model_len: int, block_size: int,
                  scratch_block: int | None, scratch_slot: int | None, device: torch.device) -> None:
         if uses_kv_cache and scratch_block is None:
@@ -166,6 +154,7 @@ class DecodeGraphManager:
         if uses_state_cache and scratch_slot is None:
             raise ValueError("decode graphs of a recurrent model need a scratch state slot for padding rows")
         self.model, self.backend = model, backend
+        self.graph_meta = graph_meta  # the model state's: metadata of one padded size over the buffers
         self.uses_kv_cache, self.uses_state_cache = uses_kv_cache, uses_state_cache
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -176,27 +165,10 @@ class DecodeGraphManager:
         self._reset_padding(0, self.sizes[-1])  # capture runs with every row a padding row
 
     # ---- capture -------------------------------------------------------------------------------
-    def _meta(self, size: int) -> ForwardMeta:
-        """Metadata whose host values hold for every replay of this size; all varying values are buffer views."""
-        buf = self.inputs
-        starts, ones = list(range(size + 1)), [1] * size
-        attn = state = None
-        if self.uses_kv_cache:
-            width = self.max_blocks_per_seq * self.block_size  # attend over the full table, masked by seq_lens
-            tables, lens = buf.block_tables[:size], buf.seq_lens[:size]
-            attn = AttnMetadata(query_start_loc=starts, query_lens=ones, context_lens=[width - 1] * size,
-                                seq_lens=[width] * size, is_decode_only=True, slot_mapping=buf.slot_mapping[:size],
-                                block_tables=tables, seq_lens_t=lens, max_seq_len=width, decode_rows=buf.rows[:size],
-                                decode_block_tables=tables, decode_seq_lens=lens, decode_max_seq_len=width)
-        if self.uses_state_cache:
-            state = StateMetadata(query_start_loc=starts, query_lens=ones, slots=buf.state_slots[:size],
-                                  has_initial_state=[True] * size, is_decode_only=True)
-        return ForwardMeta(size, attn=attn, state=state)
-
     def capture_all(self) -> None:
         """Capture every size, largest first (shared pool). Runs only padding rows: touches scratch caches only."""
         for size in sorted(self.sizes, reverse=True):
-            meta = self._meta(size)
+            meta = self.graph_meta(self.inputs, size, self.max_blocks_per_seq * self.block_size)
             ids, positions = self.inputs.input_ids[:size], self.inputs.positions[:size]
 
             def step(ids=ids, positions=positions, meta=meta) -> torch.Tensor:

@@ -1,33 +1,37 @@
 """ModelRunner: the part every model shares. It loads the model, measures one step's activation memory with a
-dummy forward, asks the model state which caches the model kind uses, allocates them from the layers' specs and
-what memory is left, binds views, captures decode graphs on CUDA (runner/cuda_graphs.py), and runs steps."""
+dummy forward, has cache/ build the caches the model state asks for from the layers' specs and what memory is left,
+binds their views to the layers, captures decode graphs on CUDA (runner/cuda_graphs.py), and runs steps.
+
+It is the model state's only caller: the engine reaches the model kind through the runner's request and prompt
+methods (update_requests, remove_request, chunk_size, parse_prompt, prepare_inputs)."""
 from __future__ import annotations
 
-import dataclasses
 import gc
-import itertools
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from stateserve import envs
-from stateserve.cache.block_pool import BlockPool, SlotPool
-from stateserve.cache import huge_pages
+from stateserve.cache.builder import CacheRequest, Caches, build_caches
+from stateserve.cache.manager import CacheManager
 from stateserve.cache.spec import KVCacheSpec, StateSpec
-from stateserve.cache.storage import CachePlan, CacheStorage, plan_caches
 from stateserve.config import EngineConfig, ModelConfig
-from stateserve.engine.scheduler import SchedulerOutput
+from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
+from stateserve.core.request import Request
 from stateserve.layers.attention import Attention
-from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
+from stateserve.layers.metadata import ForwardMeta
+from stateserve.model_states.interface import PoolingSpec
 from stateserve.layers.linear import FastLinear, install_fast_linear, prepack_fast_linear
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
 from stateserve.models.loader import init_dummy_weights, iterate_safetensors, load_weights
 from stateserve.models.registry import ModelRegistry
-from stateserve.runner import cpu_threads, cuda_graphs, host_allocator
-from stateserve.runner.peak_rss import PeakRssSampler
-from stateserve.runner.input_batch import InputBatch, build_input_batch
+from stateserve.platform import cpu_threads, host_allocator, huge_pages
+from stateserve.platform.peak_rss import PeakRssSampler
+from stateserve.runner import cuda_graphs
 from stateserve.runner.sampler import SampleResult, Sampler
 
 logger = logging.getLogger("stateserve")
@@ -37,6 +41,11 @@ CPU_CACHE_SHARE = 0.4  # on CPU the cache takes at most this share of the memory
 # 2048-token forward costs more than engine start itself); its result is kept per process and model config.
 CPU_PROFILE_MAX_TOKENS = 256
 _cpu_profiles: dict[tuple, int] = {}
+
+
+@dataclass
+class PoolingResult:
+    vectors: torch.Tensor  # [S, D] float32 on the CPU: one per sequence of the step, in the batch's order
 
 
 def _available_host_memory() -> int:
@@ -55,10 +64,7 @@ class ModelRunner:
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
         self.model = None
         self.model_state = None
-        self.storage: CacheStorage | None = None
-        self.block_pool: BlockPool | None = None
-        self.slot_pool: SlotPool | None = None
-        self.snapshot_pool: SlotPool | None = None  # slots past the running ones hold prefix snapshots
+        self.caches: Caches | None = None  # built by cache/ in initialize_caches
         self.sampler = Sampler(engine_config.seed, device)
         self.graph_manager: cuda_graphs.DecodeGraphManager | None = None  # released first at shutdown
         self.activation_bytes = 0  # peak activation memory of one max_num_batched_tokens step
@@ -84,7 +90,6 @@ class ModelRunner:
             load_weights(model, iterate_safetensors(self.model_config.path, show_progress))
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
-        self._apply_ssm_state_dtype()
         if self.device.type == "cpu":
             huge_pages.move_parameters(self.model)
             self.poll_threads()
@@ -98,7 +103,7 @@ class ModelRunner:
         self.profile_activations()
 
     def poll_threads(self) -> None:
-        """Fit the intra-op team to the cores other processes leave free (CPU; runner/cpu_threads.py)."""
+        """Fit the intra-op team to the cores other processes leave free (CPU; platform/cpu_threads.py)."""
         if self.threads is not None:
             self.threads.poll()
 
@@ -117,74 +122,28 @@ class ModelRunner:
         if added:
             logger.info("Linear weight packing: %.2f GiB of linear weights copied into 48-column panels", added / GiB)
 
-    def _apply_ssm_state_dtype(self) -> None:
-        """mamba_ssm_cache_dtype: a named dtype is kept by each recurrent layer or refused (ValueError); auto is the
-        model dtype wherever a layer can keep it (Mamba2-style mixers), float32 elsewhere (Mamba1, gated delta
-        net), as vLLM's auto and transformers' caches keep the model dtype."""
-        choice = self.engine_config.mamba_ssm_cache_dtype
-        dtype = self.model_config.dtype if choice == "auto" else getattr(torch, choice)
-        if dtype == torch.float32:
-            return
-        for m in self.model.modules():
-            if isinstance(m, StatefulLayer) and (choice != "auto" or dtype in m.ssm_state_dtypes):
-                m.set_ssm_state_dtype(dtype)
-
     def _allocated_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     # ---- activation profile --------------------------------------------------------------------
-    def _dummy_seq_len(self) -> int | None:
-        """Longest dummy sequence this model kind can run before caches exist; None: no dummy forward."""
-        from stateserve.model_states.default import DefaultModelState
-        from stateserve.model_states.encoder_only import EncoderOnlyModelState
-        from stateserve.model_states.mamba_hybrid import MambaHybridModelState
-
-        kind = type(self.model_state)
-        if kind is EncoderOnlyModelState:
-            limit = getattr(type(self.model), "max_encoder_len", None)
-            return limit(self.model_config.hf_config) if limit else self.model_config.max_model_len
-        if kind in (DefaultModelState, MambaHybridModelState):
-            return self.model_config.max_model_len
-        # Encoder-decoder models (and model states of their own) are skipped: a decoder step needs the cross
-        # K/V that only the model state builds from a real encoder input; they get the logits-based estimate.
-        return None
-
     def _dummy_forward(self, num_tokens: int, seq_len: int) -> None:
-        """A prefill of `num_tokens` tokens (sequences of at most `seq_len`) with nothing cached. Recurrent layers
-        get a temporary state of one slot per sequence, dropped afterwards; attention runs without KV, so no
-        cache a request could ever read is written (the real caches do not exist yet)."""
+        """A prefill of `num_tokens` tokens (sequences of at most `seq_len`) with nothing cached, on metadata the
+        model state builds for it (no cache a request could read is written: the real caches do not exist yet)."""
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        starts = [0, *itertools.accumulate(lens)]
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        recurrent = [m for m in self.model.modules() if isinstance(m, StatefulLayer)]
-        causal = self.model_state.supports_generate
-        attn = AttnMetadata(query_start_loc=starts, query_lens=lens, context_lens=[0] * len(lens), seq_lens=lens,
-                            is_decode_only=False, causal=causal, prefill_seqs=list(range(len(lens))))
-        state = None
-        if recurrent:
-            state = StateMetadata(query_start_loc=starts, query_lens=lens, has_initial_state=[False] * len(lens),
-                                  slots=torch.arange(len(lens), device=self.device), is_decode_only=False)
-        try:
-            for m in recurrent:
-                spec = m.cache_spec()
-                dtypes = dict(spec.dtypes)
-                m.bind_cache({k: torch.zeros(len(lens), *s, dtype=dtypes[k], device=self.device)
-                              for k, s in spec.shapes})
-            hidden = self.model(ids, positions, ForwardMeta(num_tokens, attn=attn, state=state))  # [T, hidden]
-            if causal:  # the sampled rows' logits and the sampler's sort of them
+        with self.model_state.profile_meta(lens) as meta:
+            hidden = self.model(ids, positions, meta)  # [T, hidden]
+            if self.model_state.supports_generate:  # the sampled rows' logits and the sampler's sort of them
                 rows = hidden[-min(num_tokens, self.engine_config.max_num_seqs):]
                 self.model.compute_logits(rows).float().softmax(-1).sort(dim=-1)
-        finally:
-            for m in recurrent:
-                m.bind_cache(None)
 
     def profile_activations(self) -> None:
         """Peak activation memory of a max_num_batched_tokens step, measured with a dummy forward: on CUDA the
         growth of torch.cuda.max_memory_allocated; on CPU the peak growth of resident memory (sampled)."""
         total = self.engine_config.max_num_batched_tokens
         estimate = total * self.model_config.vocab_size * 4 * 2  # a fallback: float32 logits, twice
-        seq_len = self._dummy_seq_len()
+        seq_len = self.model_state.dummy_seq_len()
         if seq_len is None:
             self.activation_bytes, self.activation_source = estimate, "estimated (no dummy forward for this kind)"
             return
@@ -247,72 +206,46 @@ class ModelRunner:
         if self.engine_config.enforce_eager or type(self).execute is not ModelRunner.execute:
             return None  # a runner with a step of its own (the reference runner) stays eager
         backend = cuda_graphs.make_graph_backend(self.device)
-        reason = cuda_graphs.unsupported_reason(self.model, self.model_state) if backend is not None else None
+        reason = self.model_state.graph_unsupported_reason() if backend is not None else None
         if reason is not None:
             logger.info("CUDA graphs off: %s", reason)
             return None
         return backend
 
-    @staticmethod
-    def _reserve_scratch(plan: CachePlan, has_kv: bool, has_state: bool
-                         ) -> tuple[CachePlan, int | None, int | None] | None:
-        """Take the last KV block and the last state slot for graph padding rows; None when the plan is too small."""
-        scratch_block = scratch_slot = None
-        if has_state:
-            if plan.num_slots <= plan.max_num_seqs:  # no slot past the running ones: give up one running slot
-                if plan.max_num_seqs == 1:
-                    return None
-                plan = dataclasses.replace(plan, max_num_seqs=plan.max_num_seqs - 1)
-            scratch_slot = plan.num_slots - 1
-        if has_kv:
-            if plan.num_blocks < 2:
-                return None
-            scratch_block = plan.num_blocks - 1
-            plan = dataclasses.replace(plan, max_num_seqs=min(plan.max_num_seqs, plan.num_blocks - 1))
-        return plan, scratch_block, scratch_slot
-
-    def initialize_caches(self, max_num_seqs: int, num_extra_slots: int = 0) -> CachePlan:
+    def initialize_caches(self) -> CacheManager:
+        """Have cache/ build the caches the model state's policy asks for, bind them to the layers, hand the
+        manager to the model state, and capture decode graphs where they apply; returns the manager."""
         kv_specs, state_specs = self.cache_specs()
-        budget = self.cache_budget_bytes()
+        policy = self.model_state.cache_policy()
         backend = self._graph_backend()
-        plan = plan_caches(kv_specs, state_specs, budget_bytes=budget, block_size=self.engine_config.block_size,
-                           max_num_seqs=max_num_seqs, max_model_len=self.model_config.max_model_len,
-                           num_extra_slots=num_extra_slots + (1 if backend is not None and state_specs else 0))
-        scratch_block = scratch_slot = None
-        if backend is not None:
-            reserved = self._reserve_scratch(plan, bool(kv_specs), bool(state_specs))
-            if reserved is None:
-                logger.warning("CUDA graphs off: the cache is too small to spare a scratch block and state slot")
-                backend = None
-            else:
-                plan, scratch_block, scratch_slot = reserved
-        logger.info("Available KV cache memory: %.4f GiB; %d KV blocks of %d tokens (%.4f GiB), %d state slots "
-                    "(%.4f GiB)", budget / GiB, plan.num_blocks, self.engine_config.block_size,
-                    plan.kv_bytes / GiB, plan.num_slots, plan.state_bytes / GiB)
-        self.storage = CacheStorage(kv_specs, state_specs, plan, self.engine_config.block_size, self.device)
+        cfg = self.engine_config
+        self.caches = build_caches(kv_specs, state_specs, CacheRequest(
+            budget_bytes=self.cache_budget_bytes(), block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=self.model_config.max_model_len, prefix_caching=policy.prefix_caching,
+            num_snapshot_slots=policy.num_snapshot_slots, graph_scratch=backend is not None,
+            num_blocks_override=cfg.num_gpu_blocks_override), self.device)
         modules = dict(self.model.named_modules())
-        for name, (k, v) in self.storage.kv.items():
+        for name, (k, v) in self.caches.storage.kv.items():
             modules[name].bind_cache(k, v)
-        for name, states in self.storage.states.items():
+        for name, states in self.caches.storage.states.items():
             modules[name].bind_cache(states)
-        if kv_specs:
-            self.block_pool = BlockPool(plan.num_blocks - (scratch_block is not None))
-        if state_specs:
-            self.slot_pool = SlotPool(plan.max_num_seqs, self.storage.zero_slot)
-            num_snapshot_slots = plan.num_slots - plan.max_num_seqs - (scratch_slot is not None)
-            if num_snapshot_slots > 0:
-                self.snapshot_pool = SlotPool(num_snapshot_slots, self.storage.zero_slot, first=plan.max_num_seqs)
-        if backend is not None:
-            self._capture_graphs(backend, plan, scratch_block, scratch_slot)
-        return plan
+        self.model_state.attach_cache(self.caches.manager)
+        if backend is not None and self.caches.graph_scratch:
+            self._capture_graphs(backend)
+        return self.caches.manager
 
-    def _capture_graphs(self, backend: cuda_graphs.GraphBackend, plan: CachePlan, scratch_block: int | None,
-                        scratch_slot: int | None) -> None:
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that may run at once: max_num_seqs, or fewer when the cache cannot hold that many."""
+        return self.caches.plan.max_num_seqs
+
+    def _capture_graphs(self, backend: cuda_graphs.GraphBackend) -> None:
+        caches = self.caches
         manager = cuda_graphs.DecodeGraphManager(
-            self.model, backend, uses_kv_cache=self.block_pool is not None, uses_state_cache=self.slot_pool is not None,
-            max_num_seqs=plan.max_num_seqs, max_model_len=self.model_config.max_model_len,
-            block_size=self.engine_config.block_size, scratch_block=scratch_block, scratch_slot=scratch_slot,
-            device=self.device)
+            self.model, backend, self.model_state.graph_meta, uses_kv_cache=caches.manager.block_pool is not None,
+            uses_state_cache=caches.manager.slot_pool is not None, max_num_seqs=caches.plan.max_num_seqs,
+            max_model_len=self.model_config.max_model_len, block_size=self.engine_config.block_size,
+            scratch_block=caches.scratch_block, scratch_slot=caches.scratch_slot, device=self.device)
         try:
             with torch.inference_mode():
                 manager.capture_all()
@@ -322,18 +255,73 @@ class ModelRunner:
             return
         self.graph_manager = manager
 
+    # ---- the model kind, for the engine ----------------------------------------------------------
+    @property
+    def supports_generate(self) -> bool:
+        return self.model_state.supports_generate
+
+    @property
+    def runs_whole_prompts(self) -> bool:
+        return self.model_state.runs_whole_prompts
+
+    def pooling_spec(self) -> PoolingSpec | None:
+        return self.model_state.pooling_spec()
+
+    def prompt_limit(self) -> tuple[int, str]:
+        return self.model_state.prompt_limit()
+
+    def text_for_tokenizer(self, text: str) -> str:
+        return self.model_state.text_for_tokenizer(text)
+
+    def validate_request(self, req: Request) -> None:
+        self.model_state.validate_request(req)
+
+    def parse_prompt(self, prompt: Any, to_token_ids, tokenizer: Any) -> tuple[str | None, list[int], Any]:
+        return self.model_state.parse_prompt(prompt, to_token_ids, tokenizer)
+
+    def prepare_inputs(self, prompt_token_ids: list[int], encoder_input: Any) -> tuple[list[int], Any]:
+        return self.model_state.prepare_inputs(prompt_token_ids, encoder_input)
+
+    def chunk_size(self, req: Request, num_tokens: int) -> int:
+        return self.model_state.chunk_size(req, num_tokens)
+
+    def update_requests(self, sched: SchedulerOutput) -> None:
+        """The scheduler's preemptions and admissions of this step, before it runs."""
+        for req in sched.preempted:
+            self.model_state.remove_request(req)
+        for req in sched.admitted:
+            self.model_state.add_request(req)
+
+    def remove_request(self, req: Request) -> None:
+        self.model_state.remove_request(req)
+
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[InputBatch, SampleResult | None]:
+    def execute(self, sched: SchedulerOutput) -> tuple[InputBatch, SampleResult | PoolingResult | None]:
         if self.model is None:
             raise RuntimeError("the model runner has been shut down")
         self.poll_threads()
-        batch = build_input_batch(sched, self.device)
-        meta = self.model_state.prepare_meta(batch)
-        logits = self.forward_logits(batch, meta)  # [len(sample_indices), vocab] or None
-        result = None if logits is None else self.sampler(logits, [batch.requests[i] for i in batch.sample_indices])
-        self.model_state.after_step(batch)  # last: a step that raises anywhere publishes nothing
+        try:
+            batch = build_input_batch(sched, self.device)
+            meta = self.model_state.prepare_meta(batch)
+            if self.model_state.supports_generate:
+                logits = self.forward_logits(batch, meta)  # [len(sample_indices), vocab] or None
+                result = None if logits is None else self.sampler(
+                    logits, [batch.requests[i] for i in batch.sample_indices])
+            else:  # whole prompts: every sequence of the step is pooled
+                hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
+                result = PoolingResult(self.model_state.pool(hidden, batch).float().cpu())  # [S, D]
+            self.model_state.after_step(batch)  # last: a step that raises anywhere publishes nothing
+        except BaseException:
+            self._step_failed()
+            raise
         return batch, result
+
+    def _step_failed(self) -> None:
+        try:
+            self.model_state.on_step_failed()
+        except Exception:
+            logger.exception("on_step_failed raised; going on with the failed step's clean-up")
 
     def forward_logits(self, batch: InputBatch, meta: ForwardMeta) -> torch.Tensor | None:
         """The forward of one step (a graph replay when it qualifies) -> logits of the sampled rows, or None."""
@@ -355,9 +343,9 @@ class ModelRunner:
         self.graph_manager = None
         if self.model is not None:
             self.model.release_caches()
-        if self.storage is not None:
-            self.storage.release()
-        self.storage = self.block_pool = self.slot_pool = self.snapshot_pool = None
+        if self.caches is not None:
+            self.caches.release()
+        self.caches = None
         if self.model_state is not None:
             self.model_state.release()
         self.model_state = None

@@ -4,8 +4,7 @@ One request at a time (the engine sets max_num_seqs=1 and turns prefix caching o
 samples recomputes the whole sequence from position 0 with a zeroed state: no cache reuse across steps."""
 from __future__ import annotations
 
-from stateserve.engine.scheduler import SchedulerOutput
-from stateserve.runner.input_batch import InputBatch
+from stateserve.core.batch import InputBatch, SchedulerOutput
 from stateserve.runner.model_runner import ModelRunner
 from stateserve.runner.sampler import SampleResult
 
@@ -21,7 +20,7 @@ class ReferenceRunner(ModelRunner):
         saved = req.num_computed_tokens
         req.num_computed_tokens = 0
         if req.state_slot is not None:
-            self.storage.zero_slot(req.state_slot)
+            self.caches.storage.zero_slot(req.state_slot)
         full = SchedulerOutput()
         full.add(req, total)
         try:

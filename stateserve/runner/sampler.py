@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stateserve.engine.request import Request
+from stateserve.core.request import Request
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One sequence being generated. Token ids are prompt + output; `num_computed_tokens` of them are in the cache."""
+"""One sequence being generated, or one prompt being embedded (params: PoolingParams). Token ids are prompt +
+output; `num_computed_tokens` of them are in the cache."""
 from __future__ import annotations
 
 import enum
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from stateserve.outputs import Logprob
+from stateserve.pooling_params import PoolingParams
 from stateserve.sampling_params import SamplingParams
 
 
@@ -21,7 +23,7 @@ class RequestStatus(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     arrival_index: int
     prompt: str | None = None
     group_id: str = ""  # the user's request id; differs from request_id only when n > 1
@@ -35,10 +37,11 @@ class Request:
     state_slot: int | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # stop | length | abort | error
+    finish_reason: str | None = None  # stop | length | abort | error (a pooled prompt ends with stop)
     stop_reason: int | str | None = None
     error: str | None = None  # why it failed, when finish_reason is "error"
     output_text: str = ""
+    detok: Any = None  # engine.detokenizer.IncrementalDetokenizer, for stop strings and streamed text
     num_preemptions: int = 0
     # prefix cache bookkeeping (owned by CacheManager)
     cache_extra: bytes = b""  # folded into every block key: anything besides tokens that changes the cache
@@ -48,13 +51,20 @@ class Request:
     prefix_matched: bool = False
     # encoder-decoder models: the processed encoder input (model_states.encoder_decoder.EncoderInput)
     encoder_input: Any = None
+    # pooling models: segment ids of the prompt's tokens (optional), and the pooled vector once it ran
+    token_type_ids: list[int] | None = None
+    embedding: torch.Tensor | None = None  # [D] float32, on the CPU
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
         self.fairness_key = self.fairness_key or self.group_id
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
+        if not self.is_pooling and self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def is_pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
 
     @property
     def num_tokens(self) -> int:

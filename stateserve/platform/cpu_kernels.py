@@ -1,6 +1,7 @@
 """Optional C++ CPU kernels, compiled on first use with torch's extension builder and cached on disk.
 
-If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, callers fall back to pure PyTorch.
+If the build fails (no compiler) or STATESERVE_CPU_KERNELS=0, load() returns None and the kernel table (kernels.py)
+sends every operation to PyTorch.
 
 The module is compiled with -march=native, so it runs only on CPUs with the instruction sets of the one that built it.
 The cache folder is therefore keyed on the CPU too: a home directory shared by machines of different CPUs (NFS, a
@@ -21,10 +22,13 @@ logger = logging.getLogger("stateserve")
 _lock = threading.Lock()
 _module = None
 _failed = False
-_SOURCES = ("bindings.cpp", "paged_attention.cpp", "paged_attention_avx2.cpp", "prefill_attention.cpp",
-            "prefill_attention_avx2.cpp", "linear.cpp", "packed_linear.cpp", "ssm_update.cpp", "mamba1_update.cpp",
-            "small_ops.cpp", "conv_update.cpp", "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp",
-            "decoder_layer.cpp")
+_SOURCES = ("bindings.cpp", "kv_cache_write.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear.cpp",
+            "packed_linear.cpp", "ssm_update.cpp", "mamba1_update.cpp", "small_ops.cpp", "conv_update.cpp",
+            "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp", "decoder_layer.cpp")
+# STATESERVE_CPU_ISA: the flags that take instruction sets away from -march=native, so that this machine builds (in
+# a folder of its own) and tests the paths of a CPU with fewer: AVX-512 without its bfloat16 instructions, AVX2
+# (Zen 3, Intel client cores), none (the portable loops). x86-64 only; csrc/isa.h names what a build has.
+ISA_FLAGS = {"native": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 # the features worth naming in the log: the instruction sets the kernels have paths for (x86-64, then Arm)
 _ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "avx2", "fma", "f16c", "asimd", "sve")
 
@@ -55,9 +59,10 @@ def _compiler_version() -> str:
 
 def build_tag(csrc: str | None = None) -> tuple[str, str]:
     """(a short hash of the CPU's features, the compiler's version, torch's version and where the sources are: the
-    name of this machine's build folder; the instruction sets among the CPU's features, for the log). The sources'
-    folder is part of it because torch's builder writes their absolute paths into its build file: two checkouts
-    sharing one folder would each find the other's build stale and recompile it, every time either started."""
+    name of this machine's build folder, with the STATESERVE_CPU_ISA variant after it unless native; the
+    instruction sets among the CPU's features, for the log). The sources' folder is part of it because torch's
+    builder writes their absolute paths into its build file: two checkouts sharing one folder would each find the
+    other's build stale and recompile it, every time either started."""
     import torch
 
     features = cpu_features()
@@ -67,7 +72,8 @@ def build_tag(csrc: str | None = None) -> tuple[str, str]:
         digest.update(part.encode() + b"\0")
     present = set(features.split())
     isa = " ".join(f for f in _ISA_FLAGS if f in present) or features
-    return digest.hexdigest(), isa
+    variant = envs.STATESERVE_CPU_ISA
+    return digest.hexdigest() + ("" if variant == "native" else f"-{variant}"), isa
 
 
 def load():
@@ -83,9 +89,13 @@ def load():
                 csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
                 sources = [os.path.join(csrc, name) for name in _SOURCES]
                 tag, isa = build_tag()
+                variant = envs.STATESERVE_CPU_ISA
+                if variant != "native" and platform.machine() not in ("x86_64", "AMD64"):
+                    raise RuntimeError(f"STATESERVE_CPU_ISA={variant} is for x86-64 CPUs")
                 build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels", tag)
                 os.makedirs(build_dir, exist_ok=True)
-                logger.info("CPU kernels for %s (%s) in %s", isa, platform.machine(), build_dir)
+                logger.info("CPU kernels for %s (%s)%s in %s", isa, platform.machine(),
+                            "" if variant == "native" else f", built for {variant} only", build_dir)
                 # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
                 header_paths = sorted(os.path.join(csrc, n) for n in os.listdir(csrc) if n.endswith(".h"))
                 digest = hashlib.blake2b(digest_size=8)
@@ -102,8 +112,9 @@ def load():
                 _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
                                 # the tag is a flag as well: torch's own check then rebuilds a folder that
                                 # another CPU's build reached by any other way
-                                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DSTATESERVE_SIMD_H={header}",
-                                              f"-DSTATESERVE_CPU_TAG={tag}"],
+                                extra_cflags=["-O3", "-march=native", *ISA_FLAGS[variant], "-fopenmp",
+                                              f"-DSTATESERVE_SIMD_H={header}",
+                                              f"-DSTATESERVE_CPU_TAG={tag.replace('-', '_')}"],
                                 extra_ldflags=["-fopenmp"],
                                 verbose=False)
             except Exception as e:  # any build problem: run the PyTorch path instead

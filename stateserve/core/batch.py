@@ -2,12 +2,27 @@
 offsets, and which rows of the output are sampled."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from stateserve.engine.request import Request
-from stateserve.engine.scheduler import SchedulerOutput
+from stateserve.core.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # moved from waiting to running in this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from stateserve.cache.block_pool import BlockPool, SlotPool
 from stateserve.cache.prefix import SnapshotIndex, block_hashes
-from stateserve.engine.request import Request
+from stateserve.core.request import Request
 
 
 class CacheManager:

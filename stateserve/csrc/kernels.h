@@ -1,0 +1,88 @@
+// Every kernel's entry point, declared once: bindings.cpp binds them, and kernels that call others (the fused
+// decode steps) include this too. Shapes and dtypes are documented at each definition.
+#pragma once
+#include <torch/extension.h>
+#include <string>
+#include <vector>
+
+// ---- the build (bindings.cpp)
+int64_t simd_float32_lanes();  // float32 lanes of the widest vector: 16 (AVX-512), 8 (AVX2) or 0
+std::string compiled_isa();    // SS_ISA_NAME: avx512_bf16, avx512, avx2 or scalar
+
+// ---- attention over the paged KV cache (paged_attention.cpp, prefill_attention.cpp)
+void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                    torch::Tensor slots);
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t ctx, double scale);
+
+// ---- linears (linear.cpp: few rows on the plain weight; packed_linear.cpp: the 48-column panel copy)
+bool fast_linear_supported(c10::ScalarType dtype);
+torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features);
+void pack_linear_weight_(torch::Tensor packed, torch::Tensor weight);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                            int64_t out_features);
+
+// ---- per-token ops (small_ops.cpp, gated_norm.cpp)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);
+bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tensor weight,
+                             c10::optional<torch::Tensor> bias, bool silu_float32);
+torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi);
+torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
+                             double eps, bool norm_before_gate);
+
+// ---- the one-token causal conv (conv_update.cpp). What its outputs become: y itself in x's dtype T (kConv), its
+// SiLU rounded to T (kSilu: what F.silu on y gives, the next layer's input) or that SiLU as float32 (kSiluFloat32,
+// for a float32 state update).
+enum class ConvOutput { kConv, kSilu, kSiluFloat32 };
+torch::Tensor conv1d_update(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                            c10::optional<torch::Tensor> bias, bool float_accumulate, ConvOutput output);
+torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
+                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32);
+
+// ---- recurrent state updates and scans (ssm_update.cpp: Mamba2; mamba1_update.cpp, selective_scan.cpp: Mamba1;
+// ssd_scan.cpp: Mamba2 prefill)
+torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
+                                torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D);
+torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
+                             torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
+                             c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
+                             double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups);
+torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
+                                      torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A,
+                                      torch::Tensor B, torch::Tensor C, torch::Tensor Dskip, torch::Tensor z);
+std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                              torch::Tensor C, c10::optional<torch::Tensor> h0,
+                                              std::vector<int64_t> offsets, c10::optional<torch::Tensor> D,
+                                              c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> dt_bias);
+std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                        torch::Tensor C, c10::optional<torch::Tensor> D,
+                                        c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets);
+
+// ---- whole layers' decode steps in one call (ssm_update.cpp, mamba1_update.cpp, decoder_layer.cpp)
+torch::Tensor mamba2_mixer_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state,
+                                   torch::Tensor slots, torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias,
+                                   torch::Tensor taps, c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias,
+                                   double dt_min, double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D,
+                                   int64_t n_groups, torch::Tensor norm_weight, int64_t norm_group_size,
+                                   double norm_eps, bool norm_before_gate, torch::Tensor out_weight,
+                                   c10::optional<torch::Tensor> out_bias);
+torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
+                             torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias, torch::Tensor taps,
+                             c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
+                             torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
+                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias);
+std::vector<torch::Tensor> decoder_layer_decode_(
+    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions, torch::Tensor norm1_weight,
+    double norm1_eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, torch::Tensor rope_table, int64_t rotary_dim, torch::Tensor k_cache,
+    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+    double scale, torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor norm2_weight,
+    double norm2_eps, torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
+    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias);
