@@ -24,6 +24,76 @@ def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> 
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# ---- speculative decoding (docs/speculative_decoding.md) ----
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("method", "num_speculative_tokens", "model"),
+}
+MAX_SPECULATIVE_TOKENS = 32  # verified rows grow with k; past this a step costs more than drafts can save
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})` / `--speculative-config '<json>'`, with vLLM's key names, validated once:
+    unknown methods or keys, k outside [1, 32] and bad lookup windows raise here, when the LLM is built."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched against the request's earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    model: str | None = None  # draft_model: a Hugging Face folder with the target's vocabulary
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+        cfg = dict(value)
+        method = cfg.get("method")
+        if method is None and cfg.get("model") is not None:
+            method = cfg["method"] = "draft_model"  # vLLM infers a draft model from `model`
+        if method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(_SPEC_METHODS)}, got {method!r}")
+        unknown = sorted(set(cfg) - set(_SPEC_KEYS[method]))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) for method {method!r}: {', '.join(unknown)} "
+                             f"(accepted: {', '.join(_SPEC_KEYS[method])})")
+        if "num_speculative_tokens" not in cfg:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        if method == "ngram":  # vLLM's rule: one bound given sets the other to it
+            lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo, hi = 1, 4
+            cfg["prompt_lookup_min"] = lo if lo is not None else hi
+            cfg["prompt_lookup_max"] = hi if hi is not None else lo
+        return cls(**cfg)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"speculative_config: {msg}")
+
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            bad(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    bad(f"{name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                bad(f"prompt_lookup_min={lo} is more than prompt_lookup_max={hi}")
+        elif self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                bad("method draft_model needs `model`: the path of a Hugging Face folder")
+        else:
+            bad(f"method must be one of {', '.join(_SPEC_METHODS)}, got {self.method!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in _SPEC_KEYS[self.method]}
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str
@@ -59,6 +129,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = _option(None, "exactly this many KV blocks, whatever the memory budget "
                                                         "(tests of preemption; vLLM's name, on CPU too)")
     gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory the engine may use, caches included")
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = _option(
+        None, 'speculative decoding with vLLM\'s keys (CLI: a JSON object): {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": '
+              '"draft_model", "model": DIR, "num_speculative_tokens": 4}')
     runner: str = _option("auto", "auto picks by the architecture: generate for language models, pooling for "
                                   "embedding models", _RUNNERS)
     trust_remote_code: bool = _option(False, "accepted as vLLM does; stateserve never runs code from the model "
@@ -97,6 +171,8 @@ class EngineConfig:
             bad(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        # normalised once (frozen): a dict becomes a validated SpeculativeConfig or raises naming the problem
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.runner not in _RUNNERS:
             bad(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -76,6 +76,9 @@ ENV_VARS: dict[str, EnvVar] = {
     "STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES": EnvVar(int, 3, "A step that raises fails only the requests in it; "
                                                                "this many failed steps in a row stop the engine "
                                                                "(EngineDeadError). At least 1."),
+    "STATESERVE_LOG_STATS_INTERVAL": EnvVar(float, 10.0, "Seconds between the engine's stats log lines "
+                                                         "(throughput, queue, cache use, speculative acceptance); "
+                                                         "0 = none."),
     "STATESERVE_FAULT_INJECT": EnvVar(str, "", "Test hook, 'layer=L,step=S[,count=C]': decoder layer L raises after "
                                                "its forward in model steps S..S+C-1 (engine/fault_inject.py); "
                                                "turns CUDA graphs off. Empty = off."),

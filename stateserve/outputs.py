@@ -29,6 +29,25 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Speculative decoding counters of a request (summed over its n samples); RequestOutput.metrics is None
+    when speculation is off."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify step emitted on average: the accepted drafts plus the one every step samples."""
+        return 1 + self.num_accepted_tokens / self.num_verify_steps if self.num_verify_steps else None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -37,6 +56,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

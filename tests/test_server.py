@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stateserve.config import EngineConfig
 from stateserve.engine.llm_engine import LLMEngine
-from stateserve.engine.loading import load_tokenizer
+from stateserve.models.folder import load_tokenizer
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.server import GracefulServer, bind_socket, build_app
 from utils import build_hf_model, hf_greedy, save_model, start_server

@@ -33,6 +33,7 @@ class CacheRequest:
     num_snapshot_slots: int = 0  # recurrent-state snapshots for prefix caching (0: none)
     graph_scratch: bool = False  # keep one KV block and one state slot back for CUDA-graph padding rows
     num_blocks_override: int | None = None  # exactly this many KV blocks, whatever the budget (tests)
+    spare_slots_per_seq: int = 0  # speculative decoding: states kept per sequence while drafts are verified
 
 
 @dataclass(eq=False)
@@ -53,7 +54,7 @@ def _reserve_scratch(plan: CachePlan, has_kv: bool, has_state: bool
     """Take the last KV block and the last state slot for graph padding rows; None when the plan is too small."""
     scratch_block = scratch_slot = None
     if has_state:
-        if plan.num_slots <= plan.max_num_seqs:  # no slot past the running ones: give up one running slot
+        if plan.num_slots <= plan.num_running_slots:  # no slot past the running ones: give up one sequence's
             if plan.max_num_seqs == 1:
                 return None
             plan = dataclasses.replace(plan, max_num_seqs=plan.max_num_seqs - 1)
@@ -75,7 +76,7 @@ def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateS
     plan = plan_caches(kv_specs, state_specs, budget_bytes=req.budget_bytes, block_size=req.block_size,
                        max_num_seqs=req.max_num_seqs, max_model_len=req.max_model_len,
                        num_extra_slots=req.num_snapshot_slots + (1 if graph_scratch and state_specs else 0),
-                       num_blocks_override=num_blocks)
+                       num_blocks_override=num_blocks, spare_slots_per_seq=req.spare_slots_per_seq)
     scratch_block = scratch_slot = None
     if graph_scratch:
         reserved = _reserve_scratch(plan, bool(kv_specs), bool(state_specs))
@@ -93,10 +94,10 @@ def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateS
     if kv_specs:
         block_pool = BlockPool(plan.num_blocks - (scratch_block is not None))
     if state_specs:
-        slot_pool = SlotPool(plan.max_num_seqs, storage.zero_slot)
-        num_snapshot_slots = plan.num_slots - plan.max_num_seqs - (scratch_slot is not None)
+        slot_pool = SlotPool(plan.num_running_slots, storage.zero_slot)
+        num_snapshot_slots = plan.num_slots - plan.num_running_slots - (scratch_slot is not None)
         if req.num_snapshot_slots and num_snapshot_slots > 0:  # leftovers are no snapshots when none were asked
-            snapshot_pool = SlotPool(num_snapshot_slots, storage.zero_slot, first=plan.max_num_seqs)
+            snapshot_pool = SlotPool(num_snapshot_slots, storage.zero_slot, first=plan.num_running_slots)
             snapshots = SnapshotIndex(snapshot_pool, storage.copy_slot)
     manager = CacheManager(block_pool, slot_pool, req.block_size, prefix_caching=req.prefix_caching,
                            snapshots=snapshots)

@@ -48,6 +48,16 @@ class CacheManager:
             self.slot_pool.free(req.state_slot)
         req.state_slot = None
 
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past what the request's committed tokens and its next token need (blocks that held
+        only rejected drafts' KV)."""
+        if self.block_pool is None:
+            return
+        keep = -(-(req.num_computed_tokens + 1) // self.block_size)
+        if len(req.block_ids) > keep:
+            self.block_pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
     # ---- prefix cache --------------------------------------------------------------------------
     def keys(self, req: Request, num_blocks: int) -> list[bytes]:
         if len(req.block_hashes) < num_blocks:

@@ -20,13 +20,20 @@ class CachePlan:
     max_num_seqs: int
     kv_bytes: int
     state_bytes: int
+    slots_per_seq: int = 1  # a running sequence's slot plus its spares for speculative rollback
+
+    @property
+    def num_running_slots(self) -> int:
+        """Slots of the running pool (the rest are snapshot slots and the graph scratch slot)."""
+        return self.max_num_seqs * self.slots_per_seq if self.num_slots else 0
 
 
 def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], *, budget_bytes: int,
                 block_size: int, max_num_seqs: int, max_model_len: int, num_extra_slots: int = 0,
-                num_blocks_override: int | None = None) -> CachePlan:
-    """Split one budget: recurrent layers get a slot per running sequence (plus snapshot slots),
-    attention layers get KV blocks from what remains. Block size is never inflated to match states.
+                num_blocks_override: int | None = None, spare_slots_per_seq: int = 0) -> CachePlan:
+    """Split one budget: recurrent layers get a slot per running sequence, plus spare_slots_per_seq (the states
+    kept while drafts are verified), plus snapshot slots; attention layers get KV blocks from what remains. Block
+    size is never inflated to match states.
     num_blocks_override: exactly that many KV blocks, whatever the budget (tests size caches in blocks)."""
     slot_bytes = sum(s.bytes_per_slot() for s in state_specs.values())
     block_bytes = sum(s.bytes_per_block(block_size) for s in kv_specs.values())
@@ -35,14 +42,17 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
         # Leave at least half of the budget to KV in hybrids; attention-free models may use all of it.
         state_budget = budget_bytes // 2 if kv_specs else budget_bytes
         fit = state_budget // max(slot_bytes, 1)
-        if fit < 1:
-            raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one recurrent-state slot "
-                             f"({slot_bytes} bytes); raise kv_cache_memory_bytes")
-        if fit < max_num_seqs:
-            logger.warning("max_num_seqs=%d lowered to %d: the cache budget holds only %d recurrent-state slots",
-                           max_num_seqs, fit, fit)
-            max_num_seqs = int(fit)
-        num_slots = max_num_seqs + min(num_extra_slots, int(fit) - max_num_seqs)
+        per_seq = 1 + spare_slots_per_seq
+        if fit < per_seq:
+            raise ValueError(f"cache budget of {budget_bytes} bytes cannot hold one sequence's recurrent-state "
+                             f"slots ({per_seq} of {slot_bytes} bytes); raise kv_cache_memory_bytes")
+        if fit < max_num_seqs * per_seq:
+            lowered = int(fit // per_seq)
+            logger.warning("max_num_seqs=%d lowered to %d: the cache budget holds only %d recurrent-state slots "
+                           "(%d per sequence)", max_num_seqs, lowered, fit, per_seq)
+            max_num_seqs = lowered
+        running = max_num_seqs * per_seq
+        num_slots = running + min(num_extra_slots, int(fit) - running)
     num_blocks = 0
     if kv_specs:
         blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -58,7 +68,7 @@ def plan_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSp
                            max_num_seqs, num_blocks, num_blocks)
             max_num_seqs = int(num_blocks)
     return CachePlan(int(num_blocks), int(num_slots), max_num_seqs, int(num_blocks * block_bytes),
-                     int(num_slots * slot_bytes))
+                     int(num_slots * slot_bytes), 1 + spare_slots_per_seq)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

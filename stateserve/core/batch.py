@@ -15,6 +15,9 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # moved from waiting to running in this step
+    # sequence index -> offsets into its chunk whose recurrent state must be kept for a later rollback (a draft
+    # model's steps); a sequence verifying drafts keeps offsets 1..k without asking
+    keep_offsets: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -34,7 +37,16 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     sample_indices: list[int]  # sequences (indices into requests) that sample a token this step
-    logits_indices: torch.Tensor  # [len(sample_indices)] rows of the flat batch whose logits are sampled
+    logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are sampled, R >= len(sample_indices)
+    # per sample index: draft tokens verified in this step (its last 1 + k rows of logits_indices are its rows)
+    num_drafts: list[int] = field(default_factory=list)
+    keep_offsets: dict[int, tuple[int, ...]] = field(default_factory=dict)  # see SchedulerOutput
+    num_accepted: dict[int, int] = field(default_factory=dict)  # sequence index -> drafts accepted (after sampling)
+
+    @property
+    def spec_seqs(self) -> list[int]:
+        """Sequences verifying drafts in this step."""
+        return [i for i, k in zip(self.sample_indices, self.num_drafts) if k]
 
     @property
     def num_tokens(self) -> int:
@@ -53,20 +65,29 @@ def build_input_batch(sched: SchedulerOutput, device: torch.device) -> InputBatc
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
-    context_lens, sample_indices, logits_rows = [], [], []
+    context_lens, sample_indices, logits_rows, num_drafts = [], [], [], []
+    keep = dict(sched.keep_offsets)
     for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
         c = req.num_computed_tokens
-        ids.extend(req.token_ids[c:c + n])
+        drafts = req.spec_token_ids
+        if drafts and c + n != req.num_tokens + len(drafts):
+            raise RuntimeError(f"request {req.request_id}: drafts scheduled without the whole verification chunk")
+        tokens = req.token_ids[c:c + n] if not drafts else req.token_ids[c:] + drafts
+        ids.extend(tokens)
         positions.extend(range(c, c + n))
         context_lens.append(c)
         starts.append(starts[-1] + n)
-        if c + n == req.num_tokens:  # the chunk reaches the last known token: sample the next one
-            sample_indices.append(i)
-            logits_rows.append(starts[-1] - 1)
+        if c + n == req.num_tokens + len(drafts):  # the chunk reaches the last known token: sample the next one
+            sample_indices.append(i)  # with drafts: the last 1 + k rows, one per position verified
+            logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
+            num_drafts.append(len(drafts))
+            if drafts:
+                keep[i] = tuple(range(1, len(drafts) + 1))
     return InputBatch(
         requests=list(sched.requests), query_lens=list(sched.num_new_tokens), context_lens=context_lens,
         query_start_loc=starts,
         input_ids=torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True),
         positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
         sample_indices=sample_indices,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True))
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True),
+        num_drafts=num_drafts, keep_offsets=keep)

@@ -43,6 +43,10 @@ class Request:
     output_text: str = ""
     detok: Any = None  # engine.detokenizer.IncrementalDetokenizer, for stop strings and streamed text
     num_preemptions: int = 0
+    # speculative decoding: draft tokens to verify after the last known token in this step (never in token_ids, so
+    # block keys, snapshots and outputs only ever see committed tokens), and the request's counters (SpecStats)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: Any = None
     # prefix cache bookkeeping (owned by CacheManager)
     cache_extra: bytes = b""  # folded into every block key: anything besides tokens that changes the cache
     block_hashes: list[bytes] = field(default_factory=list)

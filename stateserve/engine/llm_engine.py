@@ -17,15 +17,18 @@ from stateserve.engine import fault_inject
 from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer, find_stop_string
 from stateserve.engine.errors import EngineDeadError
 from stateserve.core.request import Request
+from stateserve.engine.request_output import make_output
 from stateserve.engine.scheduler import Scheduler
+from stateserve.engine.stats_log import StatsLog
 from stateserve.engine.embed_prompts import parse_embed_prompt
-from stateserve.engine.loading import build_model_config, check_runner, load_tokenizer
-from stateserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from stateserve.models.folder import build_model_config, check_runner, load_tokenizer
+from stateserve.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
 from stateserve.core.batch import InputBatch
 from stateserve.pooling_params import PoolingParams
 from stateserve.runner.model_runner import ModelRunner, PoolingResult
 from stateserve.runner.sampler import SampleResult
 from stateserve.sampling_params import SamplingParams
+from stateserve.spec_decode.speculator import Speculator, make_proposer
 
 logger = logging.getLogger("stateserve")
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
@@ -57,7 +60,13 @@ class LLMEngine:
         runner_cls = ReferenceRunner if self.reference else ModelRunner
         self.runner = runner_cls(config, self.model_config, self.device)
         self.runner.load_model(show_progress)
-        self.cache = self.runner.initialize_caches()
+        proposer = None
+        if config.speculative_config is not None:
+            if self.reference:
+                raise ValueError("speculative_config cannot be used with STATESERVE_RUNNER=reference (one request "
+                                 "at a time, recomputed whole)")
+            proposer = make_proposer(config, self.model_config, self.tokenizer, self.runner.cache_budget_bytes())
+        self.cache = self.runner.initialize_caches(reserved_bytes=proposer.cache_bytes if proposer else 0)
         self.max_num_seqs = self.runner.max_num_seqs
         self.scheduler = Scheduler(self.cache, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
@@ -82,6 +91,9 @@ class LLMEngine:
         self.last_updated: list[str] = []  # group ids that got a new token (or finished) in the last step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
                       "prefix_cache_hits": 0, "preemptions": 0}
+        self.speculator = None if proposer is None else Speculator(config, proposer, self.runner, self.cache,
+                                                                   self.stats, self.model_config)
+        self.stats_log = StatsLog()
 
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -213,9 +225,13 @@ class LLMEngine:
         STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES-th failed step in a row raises EngineDeadError instead."""
         self._check_open()
         self.last_updated = []
+        if self.speculator is not None:  # drafts for the running requests that decode, scheduled with them
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         self.runner.update_requests(sched)
+        if self.speculator is not None:
+            self.speculator.on_preempted(sched.preempted)
         if not sched.requests:
             if self.scheduler.waiting and not self.scheduler.running:
                 req = self.scheduler.waiting.peek()  # cannot fit even alone: end it rather than spin
@@ -232,14 +248,18 @@ class LLMEngine:
             return self._collect_finished()
         self._consecutive_failures = 0
         for req, n in zip(sched.requests, sched.num_new_tokens):
-            req.num_computed_tokens += n
-            self.cache.publish_blocks(req)
+            if not req.spec_token_ids:  # a verify step's requests are committed after its tokens are applied
+                req.num_computed_tokens += n
+                self.cache.publish_blocks(req)
         self.stats["prefix_cache_queries"] = self.cache.num_queried_tokens
         self.stats["prefix_cache_hits"] = self.cache.num_hit_tokens
         if isinstance(result, PoolingResult):
             self._apply_pooled(batch, result)
         elif result is not None:
             self._apply_samples(batch, result)
+        if self.speculator is not None:
+            self.speculator.commit(batch, sched)
+        self.stats_log.maybe_log(self)
         return self._collect_finished()
 
     def _apply_pooled(self, batch: InputBatch, result: PoolingResult) -> None:
@@ -279,25 +299,36 @@ class LLMEngine:
             self._check_open()
 
     def _apply_samples(self, batch: InputBatch, result: SampleResult) -> None:
+        """Each sampled sequence's tokens (several after a verify step), each checked against the stop rules: a
+        stop inside an accepted run ends the request there and drops the tokens after it."""
         updated = dict.fromkeys(self.last_updated)
-        for j, i in enumerate(batch.sample_indices):
+        counts = result.num_emitted or [1] * len(batch.sample_indices)
+        first = 0
+        for i, count in zip(batch.sample_indices, counts):
             req = batch.requests[i]
-            token = result.token_ids[j]
-            req.append_token(token)
-            if req.detok is not None:
-                req.detok.add([token])
-            self.stats["generation_tokens"] += 1
             updated[req.group_id] = None
-            if req.logprobs is not None:
-                req.cumulative_logprob += result.sampled_logprobs[j]
-                ids, vals = result.top_logprobs[j]
-                entry = {t: Logprob(v, r + 1, self.detokenizer.decode_token(t)) for r, (t, v) in
-                         enumerate(zip(ids, vals))}
-                entry[token] = Logprob(result.sampled_logprobs[j], result.sampled_ranks[j],
-                                       self.detokenizer.decode_token(token))
-                req.logprobs.append(entry)
-            self._check_stop(req, token)
+            for j in range(first, first + count):
+                if req.is_finished:
+                    break
+                self._apply_token(req, result, j)
+            first += count
         self.last_updated = list(updated)
+
+    def _apply_token(self, req: Request, result: SampleResult, j: int) -> None:
+        token = result.token_ids[j]
+        req.append_token(token)
+        if req.detok is not None:
+            req.detok.add([token])
+        self.stats["generation_tokens"] += 1
+        if req.logprobs is not None:
+            req.cumulative_logprob += result.sampled_logprobs[j]
+            ids, vals = result.top_logprobs[j]
+            entry = {t: Logprob(v, r + 1, self.detokenizer.decode_token(t)) for r, (t, v) in
+                     enumerate(zip(ids, vals))}
+            entry[token] = Logprob(result.sampled_logprobs[j], result.sampled_ranks[j],
+                                   self.detokenizer.decode_token(token))
+            req.logprobs.append(entry)
+        self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
@@ -321,6 +352,8 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> None:
         self.runner.remove_request(req)
+        if self.speculator is not None:
+            self.speculator.remove(req)
         self.scheduler.finish(req)
         if req.is_pooling:
             return
@@ -332,23 +365,7 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------------
     def make_output(self, group_id: str) -> RequestOutput | EmbeddingRequestOutput:
-        reqs = self.groups[group_id]
-        if reqs[0].is_pooling:
-            req = reqs[0]
-            vector = req.embedding.tolist() if req.embedding is not None else []
-            return EmbeddingRequestOutput(request_id=group_id, prompt_token_ids=list(req.prompt_token_ids),
-                                          outputs=EmbeddingOutput(embedding=vector, error=req.error),
-                                          finished=req.is_finished,
-                                          prompt=req.prompt)
-        outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
-                                 cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                                 logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-                                 error=r.error)
-                for i, r in enumerate(reqs)]
-        first = reqs[0]
-        return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
-                             outputs=outs, finished=all(r.is_finished for r in reqs),
-                             num_cached_tokens=first.num_cached_tokens)
+        return make_output(group_id, self.groups[group_id], self.speculator is not None)
 
     def pop_output(self, group_id: str) -> RequestOutput:
         out = self.make_output(group_id)
@@ -375,4 +392,6 @@ class LLMEngine:
                 self.scheduler.finish(req)
         self.requests.clear()
         self.groups.clear()
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.runner.shutdown()

@@ -38,6 +38,9 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         if self.whole_prompts:
             return remaining if remaining <= budget or budget == self.max_num_batched_tokens else 0
+        if req.spec_token_ids:  # verify as many drafts as the budget leaves room for (maybe none)
+            del req.spec_token_ids[max(0, budget - remaining):]
+            remaining += len(req.spec_token_ids)
         return self.chunk_size_fn(req, min(remaining, budget))
 
     def schedule(self) -> SchedulerOutput:
@@ -51,6 +54,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self.cache.can_allocate(req, n):
+                if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -78,6 +85,7 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []
         self.cache.free(req)
         req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1

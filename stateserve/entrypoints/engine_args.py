@@ -29,7 +29,8 @@ def _json_object(text: str) -> dict:
 
 # Fields whose type argparse cannot take as it is: the dtype union is a name on the command line, the dict a JSON
 # object. Any other type outside int/float/str/bool (optional or not) fails loudly in _engine_flags.
-_CLI_TYPES: dict[str, Callable[[str], Any]] = {"dtype": str, "hf_overrides": _json_object}
+_CLI_TYPES: dict[str, Callable[[str], Any]] = {"dtype": str, "hf_overrides": _json_object,
+                                               "speculative_config": _json_object}
 # some Python versions (3.10) append the default to a BooleanOptionalAction's help themselves, later ones do not
 _BOOL_HELP_HAS_DEFAULT = "%(default)" in (argparse.BooleanOptionalAction(["--x"], "x", default=False, help="").help
                                           or "")

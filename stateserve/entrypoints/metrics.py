@@ -33,6 +33,12 @@ _COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
     "preemptions": ("num_preemptions", "Sequences preempted (recomputed later) for lack of cache."),
 }
+# only with speculative decoding on (the engine's stats have these keys then)
+_SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verify steps: a sequence's drafts checked in one forward."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
 
 
 class _EngineCollector:
@@ -46,6 +52,9 @@ class _EngineCollector:
                 yield GaugeMetricFamily(_PREFIX + name, doc, value=snap[key])
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(_PREFIX + name, doc, value=snap.get(key, 0))
+        for key, (name, doc) in _SPEC_COUNTERS.items():
+            if key in snap:
+                yield CounterMetricFamily(_PREFIX + name, doc, value=snap[key])
 
 
 class ServerMetrics:

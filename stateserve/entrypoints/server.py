@@ -200,7 +200,7 @@ def build_engine(config: Any, show_progress: bool = True) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     from stateserve import envs
     from stateserve.config import EngineConfig
-    from stateserve.engine.loading import load_tokenizer
+    from stateserve.models.folder import load_tokenizer
     from stateserve.entrypoints.engine_args import default_model, engine_kwargs
 
     # SIGTERM behaves like Ctrl+C: uvicorn drains on it, and re-raises it after its own handler is gone

@@ -18,7 +18,7 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks)
+                                         conv_state_at, sequence_chunks, verify_rounds)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -164,8 +164,11 @@ class GatedDeltaNet(StatefulLayer):
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
+        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
+            core.index_copy_(0, rows, self._decode(mixed[rows], b[rows], a[rows], round_meta))
+        rounds = set(meta.decode_rounds)
         for i, start, length, slot, has_init in sequence_chunks(meta):
-            if length == 0:
+            if length == 0 or i in rounds:
                 continue
             snaps = checkpoints_of(meta, i)
             y, padded = causal_conv1d_prefill(mixed[start:start + length], weight, None,

@@ -36,7 +36,7 @@ from stateserve.layers.linear import FewRowCall, few_row_limit
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived_from_module, float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks)
+                                         conv_state_at, sequence_chunks, verify_rounds)
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
@@ -205,17 +205,20 @@ class Mamba2Mixer(StatefulLayer):
         """A mixed step. Sequences continuing by one token go through the batched decode update (the arithmetic
         of a decode-only step, so results do not depend on what else is batched); each other sequence's chunk
         runs the conv resuming from its conv state, then the SSD scan. -> [T, H, P]"""
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i]]
+        rounds = set(meta.decode_rounds)
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
         out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
         if decode:
             rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=xbc.device)
             out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, meta, decode))
-        if len(decode) == len(meta.query_lens):
+        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
+            out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, round_meta))
+        if len(decode) + len(rounds) == len(meta.query_lens):
             return out
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         weight, bias = self._conv_weight(), self.conv1d.bias
         dt = self._step_sizes(dt, clamp=True)
-        skip = set(decode)
+        skip = set(decode) | rounds
         for i, start, qlen, slot, has_initial in sequence_chunks(meta):
             if qlen == 0 or i in skip:
                 continue

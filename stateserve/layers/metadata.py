@@ -39,6 +39,9 @@ class StateMetadata:
     # Snapshots requested for prefix caching: (sequence index, tokens into its chunk, destination slot).
     # The state after that many tokens of the chunk is copied into the destination slot.
     checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
+    # Sequences verifying drafts: their chunk runs token by token through the layer's batched one-token update
+    # (layers/recurrent.py: verify_rounds), so the state after each token is what plain decoding holds.
+    decode_rounds: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -6,7 +6,7 @@ Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -137,3 +137,23 @@ def sequence_chunks(meta: StateMetadata):
 def checkpoints_of(meta: StateMetadata, seq_index: int) -> list[tuple[int, int]]:
     """(tokens into the chunk, destination slot) snapshots requested for one sequence."""
     return [(off, dst) for i, off, dst in meta.checkpoints if i == seq_index]
+
+
+def verify_rounds(meta: StateMetadata) -> Iterator[tuple[torch.Tensor, StateMetadata]]:
+    """The chunks of meta.decode_rounds as rounds of one token per sequence: round r takes token r of every such
+    chunk longer than r. Yields (their rows in the flat batch [S_r] long, one-token metadata of the round whose
+    checkpoints are those at offset r + 1), for the layer's batched decode update to run in order."""
+    seqs = meta.decode_rounds
+    if not seqs:
+        return
+    slots = meta.slots
+    for r in range(max(meta.query_lens[i] for i in seqs)):
+        active = [i for i in seqs if meta.query_lens[i] > r]
+        position = {i: j for j, i in enumerate(active)}
+        rows = torch.tensor([meta.query_start_loc[i] + r for i in active], dtype=torch.long, device=slots.device)
+        checkpoints = [(position[i], 1, dst) for i, off, dst in meta.checkpoints if i in position and off == r + 1]
+        yield rows, StateMetadata(
+            query_start_loc=list(range(len(active) + 1)), query_lens=[1] * len(active),
+            slots=slots[torch.tensor(active, dtype=torch.long, device=slots.device)],
+            has_initial_state=[r > 0 or meta.has_initial_state[i] for i in active], is_decode_only=True,
+            checkpoints=checkpoints)

@@ -25,7 +25,7 @@ from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.param_cache import derived_from_module, dtype_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at)
+                                         conv_state_at, verify_rounds)
 
 # Elements of one [Q, D, N] float32 scan temporary; the scan chunk Q is chosen to stay under it.
 SCAN_BUDGET_ELEMENTS = 1 << 23
@@ -209,15 +209,19 @@ class MambaMixer(StatefulLayer):
         if meta.is_decode_only:
             return self.out_proj(self._decode(u, z, meta, list(range(len(meta.query_lens)))))
         # A sequence continuing by one token takes transformers' decode arithmetic, batched with the others.
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i]]
-        prefill = sorted(set(range(len(meta.query_lens))) - set(decode))
+        rounds = set(meta.decode_rounds)
+        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
+        prefill = sorted(set(range(len(meta.query_lens))) - set(decode) - rounds)
         slot_of = meta.slots.tolist()  # one host copy for the per-sequence loop
-        if not decode and len(prefill) == 1:  # one prompt chunk fills the step: its output is the step's
+        if not decode and not rounds and len(prefill) == 1:  # one prompt chunk fills the step: its output is the step's
             return self.out_proj(self._prefill_one(u, z, meta, 0, slot_of[0]))
         out = x.new_empty(x.shape[0], self.intermediate_size)  # [T, D]
         if decode:
             rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=x.device)
             out.index_copy_(0, rows, self._decode(u[rows], z[rows], meta, decode).to(out.dtype))
+        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
+            every = list(range(len(round_meta.query_lens)))
+            out.index_copy_(0, rows, self._decode(u[rows], z[rows], round_meta, every).to(out.dtype))
         for i in prefill:
             start, n = meta.query_start_loc[i], meta.query_lens[i]
             out[start:start + n] = self._prefill_one(u[start:start + n], z[start:start + n], meta, i, slot_of[i])

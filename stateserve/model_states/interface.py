@@ -157,6 +157,11 @@ class ModelState(ABC):
     def prepare_meta(self, batch: "InputBatch") -> ForwardMeta:
         """Everything the layers need besides token ids and positions, for this step."""
 
+    def rollback(self, req: "Request", step_start: int, num_fed: int, num_kept: int) -> None:
+        """Speculative decoding: the last step fed tokens step_start..num_fed-1 of `req` but only the first
+        num_kept are committed; make the request's cache hold exactly those (attention KV past them is rewritten
+        by later steps, so there is nothing to undo by default)."""
+
     def pool(self, hidden: torch.Tensor, batch: "InputBatch") -> torch.Tensor:
         """Pooling models: hidden [T, H] of whole sequences -> one vector per sequence [S, D], float32."""
         raise NotImplementedError(f"{type(self).__name__} does not pool")

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from stateserve.core.batch import InputBatch
+from stateserve.core.request import Request
 from stateserve.layers.metadata import ForwardMeta, StateMetadata
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states.default import DefaultModelState, build_paged_attn_metadata, graph_attn_metadata
@@ -35,6 +36,9 @@ class MambaHybridModelState(DefaultModelState):
         self.cache = None  # CacheManager, attached by the runner
         self.mode = "none"
         self._post_copies: list[tuple[int, int]] = []  # (running slot, snapshot slot) copied after the forward
+        # speculative decoding: per request, position -> a slot holding the state after that many tokens, kept by
+        # a step for rollback (spec_decode/; slots of the running pool, which has k spare slots per sequence)
+        self._kept: dict[Request, dict[int, int]] = {}
         self._recurrent = [m for m in self.model.modules() if isinstance(m, StatefulLayer)]
         self._apply_ssm_state_dtype()
 
@@ -111,7 +115,10 @@ class MambaHybridModelState(DefaultModelState):
         if self.mode == "none":
             return checkpoints
         bs, snaps = self.block_size, self.cache.snapshots
+        speculating = set(batch.spec_seqs)  # their snapshots come from committed state only, in rollback()
         for i, (req, ctx, q) in enumerate(zip(batch.requests, batch.context_lens, batch.query_lens)):
+            if i in speculating:
+                continue
             first, last = ctx // bs + 1, (ctx + q) // bs
             if last < first:
                 continue
@@ -135,9 +142,62 @@ class MambaHybridModelState(DefaultModelState):
             query_start_loc=batch.query_start_loc, query_lens=batch.query_lens,
             slots=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
             has_initial_state=[c > 0 for c in batch.context_lens], is_decode_only=batch.is_decode_only,
-            checkpoints=self._plan_snapshots(batch))
+            checkpoints=self._plan_snapshots(batch) + self._keep_states(batch), decode_rounds=batch.spec_seqs)
         attn = build_paged_attn_metadata(batch, self.block_size, self.device) if self.uses_kv_cache else None
         return ForwardMeta(batch.num_tokens, attn=attn, state=state)
+
+    def _keep_states(self, batch: InputBatch) -> list[tuple[int, int, int]]:
+        """Checkpoints into spare running slots for the offsets a step keeps for rollback (drafts being verified,
+        a draft model's steps); recorded per request by position."""
+        checkpoints = []
+        for i, offsets in batch.keep_offsets.items():
+            req, ctx = batch.requests[i], batch.context_lens[i]
+            kept = self._kept.setdefault(req, {})
+            for off in offsets:
+                if ctx + off not in kept:
+                    kept[ctx + off] = self.cache.slot_pool.allocate(zeroed=False)  # written whole by the step
+                checkpoints.append((i, off, kept[ctx + off]))
+        return checkpoints
+
+    def rollback(self, req, step_start: int, num_fed: int, num_kept: int) -> None:
+        """The running slot holds the state after num_fed tokens; make it the state after num_kept by taking the
+        kept slot of that position in its place (no copy), and snapshot committed block boundaries of the step."""
+        kept = self._kept.pop(req, {})
+        pool = self.cache.slot_pool
+        src = {**kept, num_fed: req.state_slot}
+        if num_kept not in src:
+            for slot in kept.values():
+                pool.free(slot)
+            raise RuntimeError(f"request {req.request_id}: no state kept after {num_kept} tokens to roll back to "
+                               f"(kept: {sorted(src)})")
+        self._snapshot_committed(req, step_start, num_kept, src)
+        if num_kept != num_fed:
+            kept.pop(num_kept)
+            pool.free(req.state_slot)
+            req.state_slot = src[num_kept]
+        for slot in kept.values():
+            pool.free(slot)
+
+    def _snapshot_committed(self, req, step_start: int, num_kept: int, src: dict[int, int]) -> None:
+        """Prefix-cache snapshots at the block boundaries a speculative step committed (never past num_kept)."""
+        if self.mode == "none":
+            return
+        bs = self.block_size
+        boundaries = [b for b in range(step_start // bs + 1, num_kept // bs + 1) if b * bs in src]
+        if self.mode == "align":
+            boundaries = boundaries[-1:]
+        if not boundaries:
+            return
+        keys = self.cache.keys(req, boundaries[-1])
+        for b in boundaries:
+            dst = self.cache.snapshots.reserve(keys[b - 1])
+            if dst is not None:
+                self.cache.snapshots.copy_slot(src[b * bs], dst)
+        self.cache.snapshots.publish_pending()
+
+    def remove_request(self, req) -> None:
+        for slot in self._kept.pop(req, {}).values():
+            self.cache.slot_pool.free(slot)
 
     def after_step(self, batch: InputBatch) -> None:
         if self.mode == "none":

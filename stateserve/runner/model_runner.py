@@ -33,6 +33,7 @@ from stateserve.platform import cpu_threads, host_allocator, huge_pages
 from stateserve.platform.peak_rss import PeakRssSampler
 from stateserve.runner import cuda_graphs
 from stateserve.runner.sampler import SampleResult, Sampler
+from stateserve.runner import spec_verify
 
 logger = logging.getLogger("stateserve")
 GiB = 1 << 30
@@ -60,8 +61,13 @@ def _available_host_memory() -> int:
 
 
 class ModelRunner:
-    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 spare_slots_per_seq: int | None = None) -> None:
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
+        spec = engine_config.speculative_config
+        # speculative decoding keeps the state after each of a sequence's k drafts until they are verified
+        self._spare_slots = spare_slots_per_seq if spare_slots_per_seq is not None else \
+            spec.num_speculative_tokens if spec is not None else 0
         self.model = None
         self.model_state = None
         self.caches: Caches | None = None  # built by cache/ in initialize_caches
@@ -212,18 +218,20 @@ class ModelRunner:
             return None
         return backend
 
-    def initialize_caches(self) -> CacheManager:
+    def initialize_caches(self, reserved_bytes: int = 0) -> CacheManager:
         """Have cache/ build the caches the model state's policy asks for, bind them to the layers, hand the
-        manager to the model state, and capture decode graphs where they apply; returns the manager."""
+        manager to the model state, and capture decode graphs where they apply; returns the manager.
+        reserved_bytes: taken off the budget first (a draft model's caches)."""
         kv_specs, state_specs = self.cache_specs()
         policy = self.model_state.cache_policy()
         backend = self._graph_backend()
         cfg = self.engine_config
         self.caches = build_caches(kv_specs, state_specs, CacheRequest(
-            budget_bytes=self.cache_budget_bytes(), block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+            budget_bytes=self.cache_budget_bytes() - reserved_bytes, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.model_config.max_model_len, prefix_caching=policy.prefix_caching,
             num_snapshot_slots=policy.num_snapshot_slots, graph_scratch=backend is not None,
-            num_blocks_override=cfg.num_gpu_blocks_override), self.device)
+            num_blocks_override=cfg.num_gpu_blocks_override, spare_slots_per_seq=self.spare_slots_per_seq()),
+            self.device)
         modules = dict(self.model.named_modules())
         for name, (k, v) in self.caches.storage.kv.items():
             modules[name].bind_cache(k, v)
@@ -233,6 +241,9 @@ class ModelRunner:
         if backend is not None and self.caches.graph_scratch:
             self._capture_graphs(backend)
         return self.caches.manager
+
+    def spare_slots_per_seq(self) -> int:
+        return self._spare_slots if self.model_state.uses_state_cache else 0
 
     @property
     def max_num_seqs(self) -> int:
@@ -305,9 +316,8 @@ class ModelRunner:
             batch = build_input_batch(sched, self.device)
             meta = self.model_state.prepare_meta(batch)
             if self.model_state.supports_generate:
-                logits = self.forward_logits(batch, meta)  # [len(sample_indices), vocab] or None
-                result = None if logits is None else self.sampler(
-                    logits, [batch.requests[i] for i in batch.sample_indices])
+                logits = self.forward_logits(batch, meta)  # [R, vocab] (one row per verified position) or None
+                result = None if logits is None else self._sample(logits, batch)
             else:  # whole prompts: every sequence of the step is pooled
                 hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
                 result = PoolingResult(self.model_state.pool(hidden, batch).float().cpu())  # [S, D]
@@ -316,6 +326,16 @@ class ModelRunner:
             self._step_failed()
             raise
         return batch, result
+
+    def _sample(self, logits: torch.Tensor, batch: InputBatch) -> SampleResult:
+        if not any(batch.num_drafts):
+            return self.sampler(logits, [batch.requests[i] for i in batch.sample_indices])
+        return spec_verify.accept(batch, self.sampler(logits, spec_verify.row_requests(batch)))
+
+    def rollback(self, req: Request, step_start: int, num_fed: int, num_kept: int) -> None:
+        """After a step that ran tokens step_start..num_fed-1 of `req`, only the first num_kept are committed:
+        the model state puts the request's recurrent state back to that point (KV past it is simply rewritten)."""
+        self.model_state.rollback(req, step_start, num_fed, num_kept)
 
     def _step_failed(self) -> None:
         try:

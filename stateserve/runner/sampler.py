@@ -17,6 +17,8 @@ class SampleResult:
     sampled_logprobs: list[float | None]
     sampled_ranks: list[int | None]
     top_logprobs: list[tuple[list[int], list[float]] | None]
+    # speculative steps: tokens per sampled sequence (the lists above run over all of them in order); None: one each
+    num_emitted: list[int] | None = None
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:

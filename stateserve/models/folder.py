@@ -1,5 +1,5 @@
-"""What the engine reads from the model folder before it builds anything: the model config (with the class's
-own limits and flags), the tokenizer, and whether the architecture generates or pools."""
+"""What is read from a model folder before anything is built: the model config (with the class's own limits and
+flags), the tokenizer, and whether the architecture generates or pools (the engine's and a draft model's)."""
 from __future__ import annotations
 
 import os

@@ -1,0 +1,35 @@
+"""A request group's user-facing result (vLLM's RequestOutput / EmbeddingRequestOutput) from its sequences."""
+from __future__ import annotations
+
+from stateserve.core.request import Request
+from stateserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
+                                RequestOutput)
+
+
+def spec_metrics(reqs: list[Request]) -> RequestMetrics:
+    """Speculative decoding counters summed over a group's samples."""
+    metrics = RequestMetrics()
+    for r in reqs:
+        if r.spec is not None:
+            metrics.num_draft_tokens += r.spec.num_draft_tokens
+            metrics.num_accepted_tokens += r.spec.num_accepted_tokens
+            metrics.num_verify_steps += r.spec.num_verify_steps
+    return metrics
+
+
+def make_output(group_id: str, reqs: list[Request], speculating: bool) -> RequestOutput | EmbeddingRequestOutput:
+    first = reqs[0]
+    if first.is_pooling:
+        vector = first.embedding.tolist() if first.embedding is not None else []
+        return EmbeddingRequestOutput(request_id=group_id, prompt_token_ids=list(first.prompt_token_ids),
+                                      outputs=EmbeddingOutput(embedding=vector, error=first.error),
+                                      finished=first.is_finished, prompt=first.prompt)
+    outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
+                             cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
+                             logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                             error=r.error)
+            for i, r in enumerate(reqs)]
+    return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
+                         outputs=outs, finished=all(r.is_finished for r in reqs),
+                         num_cached_tokens=first.num_cached_tokens,
+                         metrics=spec_metrics(reqs) if speculating else None)

@@ -1,0 +1,139 @@
+"""The engine's one handle on speculative decoding: drafts for the running requests that decode (before the
+scheduler runs), and after a verify step the commit of what was accepted (counters, the recurrent-state rollback
+through the runner, the KV blocks of rejected drafts given back, blocks published only up to committed tokens)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from stateserve.cache.manager import CacheManager
+from stateserve.config import EngineConfig, ModelConfig
+from stateserve.core.batch import InputBatch, SchedulerOutput
+from stateserve.core.request import Request
+
+logger = logging.getLogger("stateserve")
+# Adaptive drafting: a request's recent share of accepted drafts (an exponential average) sets how many it is
+# offered; when it stays below LOW_ACCEPTANCE it stops drafting for a while, longer after each relapse, so a
+# workload that cannot benefit runs (nearly) as without speculation.
+RATE_WEIGHT = 0.3
+LOW_ACCEPTANCE = 0.2
+MIN_STEPS_BEFORE_PAUSE = 4
+MAX_PAUSE_STEPS = 64
+# Rows a step may verify in all (each decoding request's own row included): a CPU decode step streams the weights
+# once for a few rows, so drafts ride nearly free beside one or two sequences, while at batch 16 every draft row is
+# extra compute (measured with bench/spec_decode.py: 16 requests ran at 0.25-0.5x of plain decoding without a cap).
+MAX_VERIFY_ROWS = 8
+
+
+@dataclass
+class SpecStats:
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    rate: float = 1.0  # recent accepted share of drafts
+    paused: int = 0  # decode steps left without drafts
+    relapses: int = 0
+
+    def offer(self, k: int) -> int:
+        """How many drafts to ask for in this decode step (0 while paused)."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return max(1, min(k, round(self.rate * k) + 1))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_verify_steps += 1
+        self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * accepted / drafted
+        if self.num_verify_steps >= MIN_STEPS_BEFORE_PAUSE and self.rate < LOW_ACCEPTANCE:
+            self.paused = min(MAX_PAUSE_STEPS, 4 << self.relapses)
+            self.relapses += 1
+            self.rate = 0.5  # try again with a middling offer after the pause
+
+
+def _is_decoding(req: Request) -> bool:
+    """Every known token but the last is computed (not a prompt still being computed, not a pooled prompt)."""
+    return not req.is_pooling and not req.is_finished and 0 < req.num_computed_tokens == req.num_tokens - 1
+
+
+def make_proposer(config: EngineConfig, model_config: ModelConfig, tokenizer: Any, budget_bytes: int) -> Any:
+    """The proposer of config.speculative_config; a draft model takes its caches out of budget_bytes (its
+    `cache_bytes`, which the target's caches then leave out)."""
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        from stateserve.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec)
+    from stateserve.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, model_config, tokenizer, budget_bytes)
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, proposer: Any, runner: Any, cache: CacheManager,
+                 stats: dict[str, int], model_config: ModelConfig) -> None:
+        self.k = config.speculative_config.num_speculative_tokens
+        self.runner, self.cache, self.stats = runner, cache, stats
+        self.max_model_len = model_config.max_model_len
+        self.proposer = proposer
+        for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            stats[key] = 0
+        logger.info("Speculative decoding: %s", config.speculative_config.to_dict())
+
+    def _offer(self, req: Request) -> int:
+        """Drafts this request may verify now: within k, its adaptive offer, max_tokens and max_model_len."""
+        if req.spec is None:
+            req.spec = SpecStats()
+        limit = min(self.k, self.max_model_len - req.num_tokens)
+        if req.params.max_tokens is not None:  # a verify step emits at most drafts + 1 tokens
+            limit = min(limit, req.params.max_tokens - req.num_output_tokens - 1)
+        return req.spec.offer(limit) if limit > 0 else 0
+
+    def propose(self, running: list[Request]) -> None:
+        decoding = [req for req in running if _is_decoding(req)]
+        room = MAX_VERIFY_ROWS - len(decoding)  # draft rows left in this step
+        wanted = []
+        for req in decoding:
+            k = min(self._offer(req), room)
+            if k > 0:
+                wanted.append((req, k))
+                room -= k
+        if wanted:
+            self.proposer.propose(wanted)
+
+    def commit(self, batch: InputBatch, sched: SchedulerOutput) -> None:
+        """After the step's tokens were applied: each verifying request keeps its prompt, earlier outputs and
+        accepted drafts as computed tokens; the rest of what the step fed is rolled back."""
+        for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):  # the batch's order too
+            drafts = len(req.spec_token_ids)
+            if not drafts:
+                continue
+            accepted = batch.num_accepted.get(i, 0)
+            req.spec_token_ids = []
+            req.spec.record(drafts, accepted)
+            self.stats["spec_decode_num_drafts"] += 1
+            self.stats["spec_decode_num_draft_tokens"] += drafts
+            self.stats["spec_decode_num_accepted_tokens"] += accepted
+            if req.is_finished:  # its caches are already freed
+                continue
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + 1 + accepted
+            if req.num_computed_tokens != req.num_tokens - 1:
+                raise RuntimeError(f"request {req.request_id}: {req.num_tokens} tokens after committing "
+                                   f"{req.num_computed_tokens} computed ones")
+            self.runner.rollback(req, start, start + n, req.num_computed_tokens)
+            self.cache.trim(req)
+            self.cache.publish_blocks(req)
+            self.proposer.after_verify(req, start + n)
+
+    def on_preempted(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.proposer.remove(req)
+
+    def remove(self, req: Request) -> None:
+        self.proposer.remove(req)
+
+    def shutdown(self) -> None:
+        self.proposer.shutdown()
