@@ -33,7 +33,8 @@ def models(tmp_path_factory):
 
 
 def _oracle_for(path: str, params: SamplingParams, prompts=PROMPTS, error: float = 0.3, **kw) -> OracleProposer:
-    with LLM(path, skip_tokenizer_init=True, enable_prefix_caching=False, **kw) as plain:
+    kw.setdefault("skip_tokenizer_init", True)
+    with LLM(path, enable_prefix_caching=False, **kw) as plain:
         ref = run(plain, params, prompts)
     return OracleProposer({tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, ref)}, error), ref
 
@@ -344,3 +345,45 @@ def test_server_with_speculation_streams_plain_text_and_reports_metrics():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+def test_stop_string_inside_accepted_runs(arch, models, tmp_path):
+    """With a tokenizer in the folder, oracle drafts (most accepted) and a stop string taken from the middle of plain
+    decoding's text: the speculative run ends at the same place, with the same text and stop reason."""
+    import shutil
+
+    from utils import make_tokenizer
+
+    _, source = models(arch)
+    path = str(tmp_path / arch)
+    shutil.copytree(source, path)
+    make_tokenizer(path)
+    base = dict(temperature=0, max_tokens=36, ignore_eos=True)
+    with LLM(path, enable_prefix_caching=False) as plain:
+        text = run(plain, SamplingParams(**base), PROMPTS[:1])[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(**base, stop=[stop])
+    proposer, ref = _oracle_for(path, params, prompts=PROMPTS[:1], error=0.1, skip_tokenizer_init=False)
+    assert ref[0].outputs[0].finish_reason == "stop"
+    with LLM(path, speculative_config=NGRAM) as llm:
+        llm.llm_engine.speculator.proposer = proposer
+        out = run(llm, params, PROMPTS[:1])[0]
+        assert out.metrics.num_accepted_tokens > 0
+    mine, theirs = out.outputs[0], ref[0].outputs[0]
+    assert (mine.text, mine.token_ids, mine.finish_reason, mine.stop_reason) == \
+           (theirs.text, theirs.token_ids, "stop", stop)
+
+
+def test_low_acceptance_stops_speculating(models):
+    """Drafts that are always wrong: after a few verify steps the request pauses drafting (longer after each
+    relapse), so most of its tokens are plain decode steps; its tokens are still plain decoding's."""
+    _, path = models("mamba2")
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    proposer, ref = _oracle_for(path, params, prompts=PROMPTS[:1], error=1.0)
+    with LLM(path, skip_tokenizer_init=True, speculative_config=NGRAM) as llm:
+        llm.llm_engine.speculator.proposer = proposer
+        out = run(llm, params, PROMPTS[:1])[0]
+    assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert out.metrics.num_accepted_tokens == 0
+    assert 4 <= out.metrics.num_verify_steps <= 15  # of ~60 decode steps

@@ -211,8 +211,7 @@ class Mamba2Mixer(StatefulLayer):
         if decode:
             rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=xbc.device)
             out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, meta, decode))
-        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
-            out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, round_meta))
+        self._verify_rounds(xbc, dt, A, meta, out)
         if len(decode) + len(rounds) == len(meta.query_lens):
             return out
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
@@ -287,6 +286,29 @@ class Mamba2Mixer(StatefulLayer):
         self._copy_decode_checkpoints(meta, seqs, slots)
         return y
 
+    def _verify_rounds(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, meta: StateMetadata,
+                       out: torch.Tensor) -> None:
+        """Drafts being verified: token by token through _decode's update, as plain decoding; the kernel's fixed
+        arguments are looked up once for all rounds (per round, _decode's lookups cost more than its kernel)."""
+        plan = verify_rounds(meta)
+        if not plan:
+            return
+        conv_states, ssm_states = self.states["conv"], self.states["ssm"]
+        kernel = kernels.table(ssm_states.device).mamba2_decode(xbc.dtype, dt.dtype, conv_states.dtype,
+                                                                self.conv1d.weight.dtype, ssm_states.dtype)
+        fresh = not all(h for _, round_meta in plan for h in round_meta.has_initial_state)
+        if kernel is None or fresh or self.act is not F.silu or not conv_states.is_contiguous():
+            for rows, round_meta in plan:
+                out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, round_meta))
+            return
+        lo, hi = self.time_step_limit if self.clamp_dt_on_decode else (float("-inf"), float("inf"))
+        taps, conv_bias = self.conv_taps()
+        dt_bias, D = float32_copy(self, "dt_bias"), float32_copy(self, "D")
+        for rows, round_meta in plan:
+            out.index_copy_(0, rows, kernel(conv_states, ssm_states, round_meta.slots, xbc[rows], dt[rows], taps,
+                                            conv_bias, dt_bias, lo, hi, A, D, self.n_groups))
+            self._copy_decode_checkpoints(round_meta, list(range(len(round_meta.query_lens))), round_meta.slots)
+
     def _fused_decode(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor | None:
         """x: [S, hidden] -> [S, hidden]: a decode-only step from in_proj to out_proj in one kernel call (the kernels
         of the path through forward and _decode, same roundings), when both projections take the few-row kernel
@@ -341,11 +363,12 @@ class Mamba2Mixer(StatefulLayer):
             return
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         position = {seq: j for j, seq in enumerate(seqs)}
+        host = meta.host_slots
         for i, off, dst in meta.checkpoints:
             if i not in position:
                 continue
             if off != 1:
                 raise ValueError(f"state checkpoint offset {off} in a decode step (one token per sequence)")
-            src = slots[position[i]]
+            src = host[i] if host is not None else int(slots[position[i]])
             conv_states[dst].copy_(conv_states[src])
             ssm_states[dst].copy_(ssm_states[src])

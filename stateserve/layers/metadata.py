@@ -42,6 +42,9 @@ class StateMetadata:
     # Sequences verifying drafts: their chunk runs token by token through the layer's batched one-token update
     # (layers/recurrent.py: verify_rounds), so the state after each token is what plain decoding holds.
     decode_rounds: list[int] = field(default_factory=list)
+    host_slots: list[int] | None = None  # `slots` as host ints, where the builder had them (saves device reads)
+    # verify_rounds' plan, made by the first layer that asks and shared by the others
+    round_plan: list | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

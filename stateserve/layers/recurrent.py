@@ -6,7 +6,7 @@ Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -139,21 +139,27 @@ def checkpoints_of(meta: StateMetadata, seq_index: int) -> list[tuple[int, int]]
     return [(off, dst) for i, off, dst in meta.checkpoints if i == seq_index]
 
 
-def verify_rounds(meta: StateMetadata) -> Iterator[tuple[torch.Tensor, StateMetadata]]:
+def verify_rounds(meta: StateMetadata) -> list[tuple[torch.Tensor, StateMetadata]]:
     """The chunks of meta.decode_rounds as rounds of one token per sequence: round r takes token r of every such
-    chunk longer than r. Yields (their rows in the flat batch [S_r] long, one-token metadata of the round whose
-    checkpoints are those at offset r + 1), for the layer's batched decode update to run in order."""
+    chunk longer than r. -> (their rows in the flat batch [S_r] long, one-token metadata of the round whose
+    checkpoints are those at offset r + 1) per round, for the layer's batched decode update to run in order. Made
+    once per step (every recurrent layer runs the same rounds)."""
+    if meta.round_plan is not None or not meta.decode_rounds:
+        return meta.round_plan or []
     seqs = meta.decode_rounds
-    if not seqs:
-        return
-    slots = meta.slots
+    host = meta.host_slots if meta.host_slots is not None else meta.slots.tolist()
+    device = meta.slots.device
+    plan = []
     for r in range(max(meta.query_lens[i] for i in seqs)):
         active = [i for i in seqs if meta.query_lens[i] > r]
         position = {i: j for j, i in enumerate(active)}
-        rows = torch.tensor([meta.query_start_loc[i] + r for i in active], dtype=torch.long, device=slots.device)
+        rows = torch.tensor([meta.query_start_loc[i] + r for i in active], dtype=torch.long).to(device)
+        slots = [host[i] for i in active]
         checkpoints = [(position[i], 1, dst) for i, off, dst in meta.checkpoints if i in position and off == r + 1]
-        yield rows, StateMetadata(
+        plan.append((rows, StateMetadata(
             query_start_loc=list(range(len(active) + 1)), query_lens=[1] * len(active),
-            slots=slots[torch.tensor(active, dtype=torch.long, device=slots.device)],
+            slots=torch.tensor(slots, dtype=torch.long).to(device), host_slots=slots,
             has_initial_state=[r > 0 or meta.has_initial_state[i] for i in active], is_decode_only=True,
-            checkpoints=checkpoints)
+            checkpoints=checkpoints)))
+    meta.round_plan = plan
+    return plan

@@ -140,7 +140,7 @@ class MambaHybridModelState(DefaultModelState):
             raise RuntimeError("a scheduled request of a recurrent model has no state slot")
         state = StateMetadata(
             query_start_loc=batch.query_start_loc, query_lens=batch.query_lens,
-            slots=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True),
+            slots=torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True), host_slots=slots,
             has_initial_state=[c > 0 for c in batch.context_lens], is_decode_only=batch.is_decode_only,
             checkpoints=self._plan_snapshots(batch) + self._keep_states(batch), decode_rounds=batch.spec_seqs)
         attn = build_paged_attn_metadata(batch, self.block_size, self.device) if self.uses_kv_cache else None
