@@ -12,6 +12,7 @@ MAX_TEMPERATURE = 100.0  # far past any useful value (OpenAI takes 0-2); keeps l
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits are divided or multiplied by it
 MAX_LOGPROBS = 20  # as OpenAI and vLLM's default max_logprobs
 MAX_STOP_STRINGS = 64  # OpenAI takes 4, vLLM any number; each is searched for after every token
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range; -100 bans a token, +100 all but forces it
 MAX_STOP_STRING_CHARS = 1024  # streaming holds back up to the longest one's length - 1 characters
 
 
@@ -53,6 +54,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI: -100..100)
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     # Filled by the engine from the model (eos, generation_config) and not part of the user API.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
@@ -128,6 +132,17 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or not 0 <= t <= MAX_INT64
                                                             for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r:.200}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not _is_int(t) or not 0 <= t <= MAX_INT64 or not isinstance(b, numbers.Real) or isinstance(b, bool)
+                    or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias.items()):
+                bad("logit_bias", f"must map token ids (non-negative integers) to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                  f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r:.200}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", f"must be a boolean, got {_kind(self.include_stop_str_in_output)}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            integer("truncate_prompt_tokens", 1, what=f"must be -1 (as many as fit) or a positive integer, got "
+                                                      f"{self.truncate_prompt_tokens!r}")
         if self.seed is not None:
             # child i of n is seeded with seed + i: every one of them must be a valid 64-bit seed
             integer("seed", 0, MAX_SEED - (n - 1),

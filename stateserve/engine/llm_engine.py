@@ -14,11 +14,12 @@ import torch
 from stateserve import envs
 from stateserve.config import EngineConfig
 from stateserve.engine import fault_inject
-from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer, find_stop_string
+from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from stateserve.engine.errors import EngineDeadError
 from stateserve.core.request import Request
 from stateserve.engine.request_output import make_output
 from stateserve.engine.scheduler import Scheduler
+from stateserve.engine.stop_rules import apply_stop_rules
 from stateserve.engine.stats_log import StatsLog
 from stateserve.engine.embed_prompts import parse_embed_prompt
 from stateserve.models.folder import build_model_config, check_runner, load_tokenizer
@@ -165,8 +166,14 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.truncate_prompt_tokens is not None:  # the last k tokens, as vLLM (-1: as many as fit)
+            keep = self.max_prompt_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = list(prompt_token_ids)[-keep:]
         prompt_token_ids, encoder_input = self.runner.prepare_inputs(prompt_token_ids, encoder_input)
         self.validate_prompt(prompt_token_ids)
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias has token id(s) outside the vocabulary [0, {self.model_config.vocab_size}):"
+                             f" {sorted(t for t in params.logit_bias if t >= self.model_config.vocab_size)[:5]}")
         lo, hi = _SEED_RANGE
         if params.seed is not None and not lo <= params.seed <= params.seed + params.n - 1 <= hi:
             raise ValueError(f"seed={params.seed} with n={params.n}: sample i is seeded with seed + i, which must "
@@ -331,23 +338,7 @@ class LLMEngine:
         self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
-            if token in p._all_stop_token_ids:
-                req.finish_reason = "stop"
-                req.stop_reason = token if token in p.stop_token_ids else None
-            elif p.stop:  # looked for in the text this token added (and the stop length before it) only
-                text = req.detok.text if req.detok is not None else ""
-                hit = find_stop_string(text, p.stop, len(req.output_text))
-                req.output_text = text
-                if hit is not None:
-                    req.output_text = text[:hit[0]]
-                    req.finish_reason, req.stop_reason = "stop", hit[1]
-        if req.finish_reason is None and p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
-            req.finish_reason = "length"
-        if req.finish_reason is None and req.num_tokens >= self.model_config.max_model_len:
-            req.finish_reason = "length"
-        if req.finish_reason is not None:
+        if apply_stop_rules(req, token, self.model_config.max_model_len):
             self._finish(req)
 
     def _finish(self, req: Request) -> None:

@@ -116,7 +116,7 @@ class _SamplingFields(_Strict):
     stream: StrictBool | None = None  # null: false
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    logit_bias: dict[str, Any] | None = None  # refused when set (unsupported_fields)
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     # vLLM extras
     top_k: StrictInt | None = None  # null: 0 (off)
     min_p: StrictFloat | None = None  # null: 0.0
@@ -125,11 +125,13 @@ class _SamplingFields(_Strict):
     ignore_eos: StrictBool | None = None  # null: false
     stop_token_ids: _List(StrictInt) | None = None
     skip_special_tokens: StrictBool | None = None  # null: true
+    include_stop_str_in_output: StrictBool | None = None  # null: false
+    truncate_prompt_tokens: StrictInt | None = None  # keep the prompt's last k tokens (-1: as many as fit)
+    add_special_tokens: StrictBool | None = None  # null: true for completions, false for chat (the template has them)
 
     def unsupported_fields(self) -> list[str]:
         """Declared-but-unsupported fields that the client actually set to something non-trivial."""
-        bad = ["logit_bias"] if self.logit_bias else []
-        return bad
+        return []
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -240,6 +242,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     # vLLM extras for the template
     add_generation_prompt: StrictBool | None = None  # null: true
+    continue_final_message: StrictBool | None = None  # null: false; the last (assistant) message is continued
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported_fields(self) -> list[str]:

@@ -89,7 +89,7 @@ class PromptInput:
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def completion(self, prompt: Any) -> Prompts:
+    async def completion(self, prompt: Any, add_special_tokens: bool = True) -> Prompts:
         """A completions `prompt` (a string, strings, token ids or token-id lists) -> (text, ids) per prompt."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             id_lists = [prompt] if type(prompt[0]) is int else prompt
@@ -101,11 +101,12 @@ class PromptInput:
         self._need_tokenizer("prompt")
         for text in texts:  # on the loop: cheap, and nothing too long is ever queued for the tokenizer
             self.check_chars(text, "prompt")
-        ids = await self._off_loop(lambda: [self._encode(t, True, "prompt") for t in texts])
+        ids = await self._off_loop(lambda: [self._encode(t, add_special_tokens, "prompt") for t in texts])
         return list(zip(texts, ids))
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                   template_kwargs: dict[str, Any] | None) -> Prompts:
+                   template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
+                   add_special_tokens: bool = False) -> Prompts:
         """Render the chat template and tokenize the result, both on the worker thread."""
         self._need_tokenizer("messages")
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -116,13 +117,14 @@ class PromptInput:
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    chat_template=self.chat_template, **(template_kwargs or {}))
+                    continue_final_message=continue_final_message, chat_template=self.chat_template,
+                    **(template_kwargs or {}))
             except Exception as e:  # a template error is the request's doing (roles, kwargs), not the server's
                 raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e
             if not isinstance(text, str):
                 raise APIError(400, "the chat template did not render to text (check chat_template_kwargs)",
                                param="chat_template_kwargs")
-            return text, self._encode(text, False, "messages")
+            return text, self._encode(text, add_special_tokens, "messages")
 
         return [await self._off_loop(render)]
 

@@ -30,6 +30,7 @@ from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, Compl
 from stateserve.entrypoints.request_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware, StrictJSONRoute
 from stateserve.entrypoints.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST, APIError, OpenAIServing
 from stateserve.entrypoints.serving_embedding import EmbeddingServing
+from stateserve.entrypoints.serving_tokens import DetokenizeRequest, TokenServing, version
 
 logger = logging.getLogger("stateserve.server")
 # The server's default step budget is smaller than the offline engine's (2048), as vLLM's is per usage context:
@@ -82,6 +83,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
     serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template,
                             max_sequences_per_request=max_sequences_per_request)
     embedding_serving = EmbeddingServing(serving)
+    token_serving = TokenServing(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -144,6 +146,26 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
         return await embedding_serving.create(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> JSONResponse:
+        return JSONResponse((await token_serving.tokenize(body)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(token_serving.detokenize(body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(token_serving.tokenizer_info())
+
+    @app.get("/version")
+    async def server_version() -> JSONResponse:
+        return JSONResponse({"version": version()})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> JSONResponse:
+        return JSONResponse(token_serving.model(model_id, engine.engine.config.model).model_dump())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

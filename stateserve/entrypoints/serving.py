@@ -27,6 +27,15 @@ _MAX_N = 128  # OpenAI's limit
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n of one request (--max-sequences-per-request)
 
 
+def _truncated(prompts: Prompts, keep: int | None, max_model_len: int) -> Prompts:
+    """truncate_prompt_tokens: each prompt's last `keep` tokens (-1: as many as leave room for one new token),
+    before the context check, as the engine keeps them."""
+    if keep is None:
+        return prompts
+    keep = max_model_len - 1 if keep == -1 else keep
+    return [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]
+
+
 def _default(value: Any, default: Any) -> Any:
     """`null` in a request means the field's default."""
     return default if value is None else value
@@ -106,7 +115,16 @@ class OpenAIServing:
             if m.name:
                 msg["name"] = m.name
             messages.append(msg)
-        return await self.inputs.chat(messages, _default(req.add_generation_prompt, True), req.chat_template_kwargs)
+        continue_final = _default(req.continue_final_message, False)
+        if continue_final and req.add_generation_prompt is True:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        if continue_final and messages[-1]["role"] != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
+        return await self.inputs.chat(messages, _default(req.add_generation_prompt, not continue_final),
+                                      req.chat_template_kwargs, continue_final,
+                                      _default(req.add_special_tokens, False))
 
     def _check_context(self, prompts: Prompts, max_tokens: int | None, explicit: bool, what: str) -> None:
         limit = self.max_model_len
@@ -146,6 +164,12 @@ class OpenAIServing:
             top_k = self.vocab_size  # the same as no top-k; keeps absurd values away from the sampler
         if req.stop_token_ids:
             self.inputs.check_ids(req.stop_token_ids, "stop_token_ids")
+        logit_bias = None
+        if req.logit_bias:
+            if not all(k.isdigit() for k in req.logit_bias):
+                raise APIError(400, "logit_bias keys must be token ids (decimal strings)", param="logit_bias")
+            logit_bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            self.inputs.check_ids(list(logit_bias), "logit_bias")
         try:
             return SamplingParams(
                 n=n, temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0), top_k=top_k,
@@ -155,7 +179,9 @@ class OpenAIServing:
                 presence_penalty=_default(req.presence_penalty, 0.0),
                 frequency_penalty=_default(req.frequency_penalty, 0.0),
                 repetition_penalty=_default(req.repetition_penalty, 1.0),
-                skip_special_tokens=_default(req.skip_special_tokens, True))
+                skip_special_tokens=_default(req.skip_special_tokens, True), logit_bias=logit_bias,
+                include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
+                truncate_prompt_tokens=req.truncate_prompt_tokens)
         except SamplingParamsError as e:
             param = names.get(e.param, e.param)
             msg = str(e).removeprefix("SamplingParams: ")
@@ -186,7 +212,8 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         params = self._sampling_params(req, req.max_tokens, req.logprobs, count_prompts(req.prompt))
-        prompts = await self.inputs.completion(req.prompt)
+        prompts = _truncated(await self.inputs.completion(req.prompt, _default(req.add_special_tokens, True)),
+                             params.truncate_prompt_tokens, self.max_model_len)
         self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         echo = [self._echo_text(t, ids) if req.echo else "" for t, ids in prompts]
         choices = [ChoiceState(echo[p]) for p in range(len(prompts)) for _ in range(params.n)]
@@ -218,7 +245,7 @@ class OpenAIServing:
         names = {"logprobs": "top_logprobs",
                  "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, names)
-        prompts = await self._chat_prompt(req)
+        prompts = _truncated(await self._chat_prompt(req), params.truncate_prompt_tokens, self.max_model_len)
         self._check_context(prompts, max_tokens, True, "messages")
         choices = [ChoiceState() for _ in range(params.n)]
         stream = await self._submit(prompts, params, req.stream)

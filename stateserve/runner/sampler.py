@@ -1,4 +1,4 @@
-"""Batched sampling on the logits' device: penalties, min_tokens, greedy, temperature, top-k/top-p/min-p,
+"""Batched sampling on the logits' device: penalties, logit bias, min_tokens, greedy, temperature, top-k/top-p/min-p,
 per-request seeds, top-N logprobs. Python loops touch only rows that need per-request work
 (a request's own seed, penalties); everything else is one tensor op over the batch."""
 from __future__ import annotations
@@ -41,6 +41,16 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
         logits[i] = row
 
 
+def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[1]
+    for i, r in enumerate(reqs):
+        bias = r.params.logit_bias
+        if bias:  # ids past the vocabulary were refused when the request was added
+            ids = torch.tensor([t for t in bias if t < vocab], dtype=torch.long, device=logits.device)
+            vals = torch.tensor([bias[t] for t in bias if t < vocab], dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+
+
 def _mask_stop_tokens_before_min(logits: torch.Tensor, reqs: list[Request]) -> None:
     for i, r in enumerate(reqs):
         if r.num_output_tokens < r.params.min_tokens:
@@ -76,6 +86,7 @@ class Sampler:
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_logprobs = logits.log_softmax(-1) if any(want_lp) else None
         _apply_penalties(logits, reqs)
+        _apply_logit_bias(logits, reqs)
         _mask_stop_tokens_before_min(logits, reqs)
 
         temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)

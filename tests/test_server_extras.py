@@ -1,0 +1,163 @@
+"""Past OpenAI's basic set, through a real server and the `openai` client or httpx (issue 35): logit_bias,
+include_stop_str_in_output, truncate_prompt_tokens, add_special_tokens, continue_final_message and stop strings
+before min_tokens; /tokenize, /detokenize, /tokenizer_info, /version and GET /v1/models/{id}. Each with its
+success and its error."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from utils import start_server
+
+PROMPT = "The with statement is used to"
+
+
+def _demo(name: str = "llama-demo") -> str:
+    from stateserve.assets import bundled_models
+
+    model = bundled_models().get(name)
+    if model is None:
+        pytest.skip(f"the bundled {name} model is missing")
+    return model
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = _demo()
+    proc, url, _ = start_server(model)
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60), model, url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _complete(client, model, prompt=PROMPT, **kw):
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("include_stop_str_in_output", "truncate_prompt_tokens",
+                                                     "add_special_tokens", "min_tokens")}
+    return client.completions.create(model=model, prompt=prompt, temperature=0, extra_body=extra, **kw)
+
+
+def test_logit_bias(server):
+    client, model, _ = server
+    forced = _complete(client, model, max_tokens=4, logit_bias={"77": 100})
+    tokens = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+                                       logit_bias={"77": 100}, logprobs=0).choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1 and forced.choices[0].text == tokens[0] * 4
+    for bias, message in (({"abc": 1}, "logit_bias keys must be token ids"),
+                          ({"77": 101}, "logit_bias must map token ids"),
+                          ({"999999": 1}, "outside the vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            _complete(client, model, max_tokens=2, logit_bias=bias)
+
+
+def test_stop_string_options(server):
+    client, model, _ = server
+    text = _complete(client, model, max_tokens=30).choices[0].text
+    stop = text[10:14]
+    first = text.find(stop)
+    cut = _complete(client, model, max_tokens=30, stop=[stop]).choices[0]
+    kept = _complete(client, model, max_tokens=30, stop=[stop], include_stop_str_in_output=True).choices[0]
+    assert cut.text == text[:first] and kept.text == text[:first + len(stop)]
+    assert kept.finish_reason == "stop"
+    early = _complete(client, model, max_tokens=30, stop=[text[:3]], min_tokens=12).choices[0]
+    assert len(early.text) > 3  # the stop string's occurrence before min_tokens does not cut the text
+    stream = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=30, stop=[stop],
+                                       stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == kept.text
+
+
+def test_truncate_prompt_tokens(server):
+    client, model, _ = server
+    long_prompt = PROMPT * 6
+    out = _complete(client, model, prompt=long_prompt, max_tokens=5, truncate_prompt_tokens=6)
+    assert out.usage.prompt_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be -1"):
+        _complete(client, model, max_tokens=2, truncate_prompt_tokens=0)
+
+
+def test_continue_final_message(server):
+    client, model, _ = server
+    messages = [{"role": "user", "content": "What does the with statement do?"},
+                {"role": "assistant", "content": "The with statement"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"continue_final_message": True,
+                                                      "add_generation_prompt": False})
+    raw = "<|user|>\nWhat does the with statement do?\n<|assistant|>\nThe with statement"
+    assert chat.choices[0].message.content == _complete(client, model, prompt=raw, max_tokens=8).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="last message to be the assistant"):
+        client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": True})
+
+
+def test_add_special_tokens(tmp_path):
+    """A tokenizer that adds a BOS token: completions add it unless add_special_tokens is false; chat (whose
+    template writes its own) adds it only when asked."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from utils import build_hf_model, make_tokenizer, save_model
+
+    folder = str(tmp_path / "bos")
+    make_tokenizer(folder)
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(folder)
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, vocab_size=300, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    save_model(hf, folder)
+    proc, url, _ = start_server(folder)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with_bos = _complete(client, folder, prompt="hello world", max_tokens=1).usage.prompt_tokens
+        without = _complete(client, folder, prompt="hello world", max_tokens=1,
+                            add_special_tokens=False).usage.prompt_tokens
+        assert with_bos == without + 1
+        msgs = [{"role": "user", "content": "hello world"}]
+        chat_plain = client.chat.completions.create(model=folder, messages=msgs, max_tokens=1).usage.prompt_tokens
+        chat_bos = client.chat.completions.create(model=folder, messages=msgs, max_tokens=1,
+                                                  extra_body={"add_special_tokens": True}).usage.prompt_tokens
+        assert chat_bos == chat_plain + 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_tokenize_detokenize_and_tokenizer_info(server):
+    import httpx2
+    from transformers import AutoTokenizer
+
+    client, model, url = server
+    tok = AutoTokenizer.from_pretrained(model)
+    out = httpx2.post(url + "/tokenize", json={"model": model, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert out["tokens"] == tok(PROMPT).input_ids and out["count"] == len(out["tokens"])
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"]) and out["max_model_len"] > 0
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx2.post(url + "/tokenize", json={"messages": messages}).json()
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok(rendered, add_special_tokens=False).input_ids and chat["token_strs"] is None
+    back = httpx2.post(url + "/detokenize", json={"model": model, "tokens": out["tokens"]}).json()
+    assert back == {"prompt": PROMPT}
+    info = httpx2.get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["vocab_size"] == len(tok) and info["chat_template"]
+    for path, body, message in (("/tokenize", {"prompt": 5}, "prompt"),
+                                ("/tokenize", {"prompt": "a", "model": "nope"}, "does not exist"),
+                                ("/detokenize", {"tokens": [10 ** 7]}, "outside the vocabulary"),
+                                ("/detokenize", {"tokens": ["a"]}, "tokens")):
+        answer = httpx2.post(url + path, json=body)
+        assert answer.status_code in (400, 404) and message in answer.json()["error"]["message"], answer.text
+
+
+def test_version_and_model_card(server):
+    import httpx2
+
+    client, model, url = server
+    assert httpx2.get(url + "/version").json()["version"]
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
