@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI: -100..100)
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
+    prompt_logprobs: int | None = None  # per prompt token (None for the first): its logprob and the top k
     # Filled by the engine from the model (eos, generation_config) and not part of the user API.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
@@ -119,6 +120,8 @@ class SamplingParams:
             bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             integer("logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_LOGPROBS)
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)

@@ -161,3 +161,45 @@ def test_version_and_model_card(server):
     assert card.id == model and card.object == "model"
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("name", ["llama-demo", "mamba2-demo", "hybrid-demo"])
+def test_echo_logprobs_as_lm_evaluation_harness_sends_them(name):
+    """lm-evaluation-harness's loglikelihood request (local-completions): echo, logprobs=1, max_tokens 0 or 1,
+    temperature 0. The prompt tokens' logprobs (None for the first) equal transformers' log-softmax in float32; with
+    max_tokens 0 nothing else is shown, with 1 the generated token follows."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = _demo(name)
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    context, continuation = "The with statement is used to", " wrap the execution of a block"
+    ids = tok(context + continuation).input_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    proc, url, _ = start_server(model)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for max_tokens in (0, 1):
+            out = client.completions.create(model=model, prompt=context + continuation, echo=True, logprobs=1,
+                                            max_tokens=max_tokens, temperature=0)
+            choice = out.choices[0]
+            lp = choice.logprobs
+            assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+            for pos in range(1, len(ids)):
+                assert abs(lp.token_logprobs[pos] - ref[pos - 1, ids[pos]].item()) < 1e-4, pos
+                assert lp.top_logprobs[pos] is not None
+            assert choice.text.startswith(context + continuation)
+            assert out.usage.completion_tokens == max_tokens
+            if max_tokens == 0:
+                assert choice.text == context + continuation and choice.finish_reason == "length"
+            else:
+                assert lp.tokens[-1] == choice.text[len(context + continuation):]
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model=model, prompt=context, max_tokens=0)
+        with pytest.raises(openai.BadRequestError, match="not supported when streaming"):
+            client.completions.create(model=model, prompt=context, echo=True, logprobs=1, stream=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

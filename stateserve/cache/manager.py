@@ -68,8 +68,8 @@ class CacheManager:
     def match_prefix(self, req: Request) -> None:
         """Longest cached prefix, in whole blocks, for which every attention layer has its KV blocks and every
         recurrent layer its snapshot; at least one token is always left to compute (its logits are needed)."""
-        if not self.prefix_caching or req.prefix_matched or req.num_computed_tokens:
-            return
+        if not self.prefix_caching or req.prefix_matched or req.num_computed_tokens or req.wants_prompt_logprobs:
+            return  # (prompt logprobs need every prompt position computed; the blocks it writes are still published)
         req.prefix_matched = True
         limit = (req.num_tokens - 1) // self.block_size
         keys = self.keys(req, limit)

@@ -42,6 +42,9 @@ class InputBatch:
     num_drafts: list[int] = field(default_factory=list)
     keep_offsets: dict[int, tuple[int, ...]] = field(default_factory=dict)  # see SchedulerOutput
     num_accepted: dict[int, int] = field(default_factory=dict)  # sequence index -> drafts accepted (after sampling)
+    # prompt logprobs: per sequence index that asks, the flat rows whose logits predict its next prompt tokens, and
+    # those tokens (row p predicts prompt token p + 1)
+    prompt_rows: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
     @property
     def spec_seqs(self) -> list[int]:
@@ -67,6 +70,7 @@ def build_input_batch(sched: SchedulerOutput, device: torch.device) -> InputBatc
     starts = [0]
     context_lens, sample_indices, logits_rows, num_drafts = [], [], [], []
     keep = dict(sched.keep_offsets)
+    prompt_rows: dict[int, tuple[list[int], list[int]]] = {}
     for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
         c = req.num_computed_tokens
         drafts = req.spec_token_ids
@@ -77,6 +81,9 @@ def build_input_batch(sched: SchedulerOutput, device: torch.device) -> InputBatc
         positions.extend(range(c, c + n))
         context_lens.append(c)
         starts.append(starts[-1] + n)
+        if req.wants_prompt_logprobs and c < req.num_prompt_tokens - 1:
+            end = min(c + n, req.num_prompt_tokens - 1)
+            prompt_rows[i] = (list(range(starts[-2], starts[-2] + end - c)), req.token_ids[c + 1:end + 1])
         if c + n == req.num_tokens + len(drafts):  # the chunk reaches the last known token: sample the next one
             sample_indices.append(i)  # with drafts: the last 1 + k rows, one per position verified
             logits_rows.extend(range(starts[-1] - 1 - len(drafts), starts[-1]))
@@ -90,4 +97,4 @@ def build_input_batch(sched: SchedulerOutput, device: torch.device) -> InputBatc
         positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
         sample_indices=sample_indices,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(device, non_blocking=True),
-        num_drafts=num_drafts, keep_offsets=keep)
+        num_drafts=num_drafts, keep_offsets=keep, prompt_rows=prompt_rows)

@@ -59,12 +59,22 @@ class Request:
     token_type_ids: list[int] | None = None
     embedding: torch.Tensor | None = None  # [D] float32, on the CPU
 
+    # prompt_logprobs: None for the first prompt token, then each one's entry, filled as the prompt's chunks run
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id
         self.fairness_key = self.fairness_key or self.group_id
         self.token_ids = list(self.prompt_token_ids)
         if not self.is_pooling and self.params.logprobs is not None:
             self.logprobs = []
+        if self.wants_prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logits are needed, so no prefix-cache hit may skip computing them."""
+        return not self.is_pooling and self.params.prompt_logprobs is not None
 
     @property
     def is_pooling(self) -> bool:

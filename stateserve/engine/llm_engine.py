@@ -17,13 +17,13 @@ from stateserve.engine import fault_inject
 from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from stateserve.engine.errors import EngineDeadError
 from stateserve.core.request import Request
-from stateserve.engine.request_output import make_output
+from stateserve.engine.request_output import logprob_entry, make_output
 from stateserve.engine.scheduler import Scheduler
 from stateserve.engine.stop_rules import apply_stop_rules
 from stateserve.engine.stats_log import StatsLog
 from stateserve.engine.embed_prompts import parse_embed_prompt
 from stateserve.models.folder import build_model_config, check_runner, load_tokenizer
-from stateserve.outputs import EmbeddingRequestOutput, Logprob, RequestOutput
+from stateserve.outputs import EmbeddingRequestOutput, RequestOutput
 from stateserve.core.batch import InputBatch
 from stateserve.pooling_params import PoolingParams
 from stateserve.runner.model_runner import ModelRunner, PoolingResult
@@ -263,6 +263,8 @@ class LLMEngine:
         if isinstance(result, PoolingResult):
             self._apply_pooled(batch, result)
         elif result is not None:
+            if result.prompt_logprobs:
+                self._apply_prompt_logprobs(batch, result.prompt_logprobs)
             self._apply_samples(batch, result)
         if self.speculator is not None:
             self.speculator.commit(batch, sched)
@@ -321,6 +323,17 @@ class LLMEngine:
             first += count
         self.last_updated = list(updated)
 
+    def _apply_prompt_logprobs(self, batch: InputBatch, found: dict[int, list]) -> None:
+        """Entries for the prompt positions the step computed (placed by position: a recompute overwrites)."""
+        for i, entries in found.items():
+            req = batch.requests[i]
+            for pos, found_at in enumerate(entries, batch.context_lens[i] + 1):
+                entry = logprob_entry(*found_at, self.detokenizer.decode_token)
+                if pos < len(req.prompt_logprobs):
+                    req.prompt_logprobs[pos] = entry
+                else:
+                    req.prompt_logprobs.append(entry)
+
     def _apply_token(self, req: Request, result: SampleResult, j: int) -> None:
         token = result.token_ids[j]
         req.append_token(token)
@@ -329,12 +342,8 @@ class LLMEngine:
         self.stats["generation_tokens"] += 1
         if req.logprobs is not None:
             req.cumulative_logprob += result.sampled_logprobs[j]
-            ids, vals = result.top_logprobs[j]
-            entry = {t: Logprob(v, r + 1, self.detokenizer.decode_token(t)) for r, (t, v) in
-                     enumerate(zip(ids, vals))}
-            entry[token] = Logprob(result.sampled_logprobs[j], result.sampled_ranks[j],
-                                   self.detokenizer.decode_token(token))
-            req.logprobs.append(entry)
+            req.logprobs.append(logprob_entry(token, result.sampled_logprobs[j], result.sampled_ranks[j],
+                                              *result.top_logprobs[j], self.detokenizer.decode_token))
         self._check_stop(req, token)
 
     def _check_stop(self, req: Request, token: int) -> None:

@@ -1,9 +1,20 @@
-"""A request group's user-facing result (vLLM's RequestOutput / EmbeddingRequestOutput) from its sequences."""
+"""A request group's user-facing result (vLLM's RequestOutput / EmbeddingRequestOutput) from its sequences, and the
+logprob entries it carries."""
 from __future__ import annotations
 
+from typing import Callable
+
 from stateserve.core.request import Request
-from stateserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
+from stateserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestMetrics,
                                 RequestOutput)
+
+
+def logprob_entry(token: int, value: float, rank: int, ids: list[int], vals: list[float],
+                  decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM returns them: the top ones by rank, and the chosen token with its own rank."""
+    entry = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(ids, vals))}
+    entry[token] = Logprob(value, rank, decode(token))
+    return entry
 
 
 def spec_metrics(reqs: list[Request]) -> RequestMetrics:
@@ -31,5 +42,5 @@ def make_output(group_id: str, reqs: list[Request], speculating: bool) -> Reques
             for i, r in enumerate(reqs)]
     return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
                          outputs=outs, finished=all(r.is_finished for r in reqs),
-                         num_cached_tokens=first.num_cached_tokens,
+                         num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
                          metrics=spec_metrics(reqs) if speculating else None)

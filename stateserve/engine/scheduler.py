@@ -86,6 +86,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []
+        if req.prompt_logprobs is not None:  # the recompute runs the prompt again, and fills them again
+            req.prompt_logprobs = [None]
         self.cache.free(req)
         req.num_computed_tokens = req.num_cached_tokens = 0
         req.num_preemptions += 1

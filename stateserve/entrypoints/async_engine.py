@@ -297,7 +297,8 @@ class AsyncEngine:
             first = reqs[0]
             vector = first.embedding.numpy() if first.embedding is not None else None
             out.append((group.stream, GroupUpdate(group.prompt_index, seqs, finished, first.num_prompt_tokens,
-                                                  first.num_cached_tokens, now, vector)))
+                                                  first.num_cached_tokens, now, vector,
+                                                  first.prompt_logprobs if finished else None)))
             if finished:
                 self._drop(gid)
         if out:

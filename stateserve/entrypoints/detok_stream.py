@@ -2,6 +2,8 @@
 back what may be the start of a stop string), and OpenAI's logprob shapes."""
 from __future__ import annotations
 
+from typing import Callable
+
 from stateserve.entrypoints.streams import SeqUpdate
 from stateserve.entrypoints.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from stateserve.outputs import Logprob
@@ -77,3 +79,26 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
             top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=_clamp(lp.logprob),
                                      bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in top]))
     return ChatLogprobs(content=content)
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[dict[int, Logprob] | None] | None,
+                  generated: CompletionLogprobs, decode: Callable[[int], str]) -> CompletionLogprobs:
+    """echo with logprobs: the prompt's tokens lead, the first without a logprob (nothing predicts it), as OpenAI and
+    vLLM send them; the generated tokens' offsets already start after the echoed text."""
+    entries = entries or [None] * len(prompt_ids)
+    out, offset = CompletionLogprobs(), 0
+    for tid, entry in zip(prompt_ids, entries):
+        tok = entry[tid].decoded_token if entry is not None and tid in entry else decode(tid)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(_clamp(entry[tid].logprob))
+            ranked = sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+            out.top_logprobs.append({(lp.decoded_token or ""): _clamp(lp.logprob) for lp in ranked})
+        out.tokens.append(tok or "")
+        out.text_offset.append(offset)
+        offset += len(tok or "")
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, field).extend(getattr(generated, field))
+    return out

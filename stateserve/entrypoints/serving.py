@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.streams import EngineDead, EngineOverloaded, GroupUpdate, RequestStream
-from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs
+from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs, echo_logprobs
 from stateserve.entrypoints.metrics import RequestTimer, ServerMetrics
 from stateserve.entrypoints.errors import APIError
 from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -209,9 +210,15 @@ class OpenAIServing:
         arrival = time.perf_counter()
         model = self.check_model(req.model)
         self.check_generates(model, "Completions")
+        # echo with logprobs: the prompt's logprobs lead the choice's (lm-evaluation-harness scores prompts so);
+        # max_tokens 0 then generates one token for the engine's sake and shows none
+        prompt_only = bool(req.echo) and req.max_tokens == 0
+        if req.echo and req.logprobs is not None and req.stream:
+            raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+        params = self._sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs,
+                                       count_prompts(req.prompt))
         if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, count_prompts(req.prompt))
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         prompts = _truncated(await self.inputs.completion(req.prompt, _default(req.add_special_tokens, True)),
                              params.truncate_prompt_tokens, self.max_model_len)
         self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
@@ -222,6 +229,7 @@ class OpenAIServing:
                        RequestTimer(self.metrics, arrival), req.stream_options)
         if req.stream:
             return _AbortingStreamingResponse(self._stream(stream, ctx, chat=False), stream)
+        ctx.hide_output = prompt_only
         gone = await self._collect(stream, ctx, raw)
         if gone:
             return Response(status_code=499)
@@ -229,9 +237,14 @@ class OpenAIServing:
         for i, ch in enumerate(choices):
             lp = None
             if params.logprobs is not None:
-                lp, _ = completion_logprobs(ch.token_ids, ch.logprobs, len(ch.echo_text))
-            out.append(CompletionChoice(index=i, text=ch.full_text, logprobs=lp, finish_reason=ch.finish_reason,
-                                        stop_reason=ch.stop_reason))
+                shown = 0 if prompt_only else len(ch.token_ids)
+                lp, _ = completion_logprobs(ch.token_ids[:shown], ch.logprobs[:shown], len(ch.echo_text))
+                if req.echo:
+                    lp = echo_logprobs(prompts[i // params.n][1], ctx.prompt_logprobs[i // params.n], lp,
+                                       lambda t: self.inputs.decode([t]))
+            out.append(CompletionChoice(index=i, text=ch.echo_text if prompt_only else ch.full_text, logprobs=lp,
+                                        finish_reason="length" if prompt_only else ch.finish_reason,
+                                        stop_reason=None if prompt_only else ch.stop_reason))
         return JSONResponse(CompletionResponse(id=ctx.id, created=ctx.created, model=model, choices=out,
                                                usage=ctx.usage()).model_dump())
 
@@ -349,9 +362,13 @@ class _Context:
         self.prompts, self.choices, self.timer, self.top_n = prompts, choices, timer, top_n
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.cached_tokens = [0] * len(prompts)
+        self.prompt_logprobs: list[list | None] = [None] * len(prompts)
+        self.hide_output = False  # echo with max_tokens 0: one token is generated for the logprobs, none shown
 
     def apply(self, update: GroupUpdate, streaming: bool) -> list[tuple[int, str, Any]]:
         self.cached_tokens[update.prompt_index] = update.num_cached_tokens
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs[update.prompt_index] = update.prompt_logprobs
         out = []
         for seq in update.seqs:
             index = update.prompt_index * self.params.n + seq.index
@@ -364,7 +381,7 @@ class _Context:
 
     def usage(self) -> Usage:
         prompt = sum(len(ids) for _, ids in self.prompts)
-        completion = sum(len(ch.token_ids) for ch in self.choices)
+        completion = 0 if self.hide_output else sum(len(ch.token_ids) for ch in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
 

@@ -44,6 +44,7 @@ class GroupUpdate:
     num_cached_tokens: int
     time: float  # time.perf_counter() when the step that produced it ended
     embedding: np.ndarray | None = None  # an embedding request's float32 vector, once it ran
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs' entries, on the group's last update
 
 
 class RequestStream:

@@ -32,7 +32,7 @@ from stateserve.models.registry import ModelRegistry
 from stateserve.platform import cpu_threads, host_allocator, huge_pages
 from stateserve.platform.peak_rss import PeakRssSampler
 from stateserve.runner import cuda_graphs
-from stateserve.runner.sampler import SampleResult, Sampler
+from stateserve.runner.sampler import SampleResult, Sampler, prompt_logprobs
 from stateserve.runner import spec_verify
 
 logger = logging.getLogger("stateserve")
@@ -316,8 +316,11 @@ class ModelRunner:
             batch = build_input_batch(sched, self.device)
             meta = self.model_state.prepare_meta(batch)
             if self.model_state.supports_generate:
-                logits = self.forward_logits(batch, meta)  # [R, vocab] (one row per verified position) or None
+                logits, prompt_lps = self.forward_logits(batch, meta)  # [R, vocab] (a row per verified position)
                 result = None if logits is None else self._sample(logits, batch)
+                if prompt_lps:
+                    result = result or SampleResult([], [], [], [])
+                    result.prompt_logprobs = prompt_lps
             else:  # whole prompts: every sequence of the step is pooled
                 hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
                 result = PoolingResult(self.model_state.pool(hidden, batch).float().cpu())  # [S, D]
@@ -343,15 +346,21 @@ class ModelRunner:
         except Exception:
             logger.exception("on_step_failed raised; going on with the failed step's clean-up")
 
-    def forward_logits(self, batch: InputBatch, meta: ForwardMeta) -> torch.Tensor | None:
-        """The forward of one step (a graph replay when it qualifies) -> logits of the sampled rows, or None."""
-        if self.graph_manager is not None and self.graph_manager.can_run(batch, meta):
+    def forward_logits(self, batch: InputBatch, meta: ForwardMeta) -> tuple[torch.Tensor | None, dict | None]:
+        """The forward of one step (a graph replay when it qualifies) -> (logits of the sampled rows or None, the
+        prompt logprobs of the sequences that ask for them or None)."""
+        if not batch.prompt_rows and self.graph_manager is not None and self.graph_manager.can_run(batch, meta):
             padded = self.graph_manager.run(batch, meta)  # [padded size, vocab]; row i is sequence i
-            return padded[batch.logits_indices] if batch.sample_indices else None
+            return (padded[batch.logits_indices] if batch.sample_indices else None), None
         hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
+        prompt_lps = None
+        if batch.prompt_rows:
+            rows_of = lambda rows: self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # noqa: E731
+            prompt_lps = prompt_logprobs(rows_of, batch.prompt_rows,
+                                         {i: batch.requests[i].params.prompt_logprobs for i in batch.prompt_rows})
         if not batch.sample_indices:
-            return None
-        return self.model.compute_logits(hidden[batch.logits_indices])  # [n, vocab]
+            return None, prompt_lps
+        return self.model.compute_logits(hidden[batch.logits_indices]), prompt_lps  # [n, vocab]
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:

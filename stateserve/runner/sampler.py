@@ -19,6 +19,8 @@ class SampleResult:
     top_logprobs: list[tuple[list[int], list[float]] | None]
     # speculative steps: tokens per sampled sequence (the lists above run over all of them in order); None: one each
     num_emitted: list[int] | None = None
+    # sequence index -> (prompt token, its logprob, its rank, top ids, top logprobs) per prompt position of the step
+    prompt_logprobs: dict[int, list[tuple[int, float, int, list[int], list[float]]]] | None = None
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -129,3 +131,26 @@ class Sampler:
             if r.generator is not None:  # a request's own seed: same tokens whatever else is batched
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(-1)
+
+
+PROMPT_LOGPROB_ROWS = 256  # rows of [rows, vocab] float32 log-softmax at a time (a 2048-token chunk would be 0.25 GB)
+
+
+def prompt_logprobs(logits_of, rows: dict[int, tuple[list[int], list[int]]], top_n: dict[int, int]
+                    ) -> dict[int, list[tuple[int, float, int, list[int], list[float]]]]:
+    """Each asking sequence's prompt positions: the raw log-probability and rank of the next prompt token and the
+    top `top_n[i]`. logits_of(flat rows) -> [n, vocab] logits of those rows of the step."""
+    out: dict[int, list] = {}
+    for i, (flat, targets) in rows.items():
+        entries = out[i] = []
+        for start in range(0, len(flat), PROMPT_LOGPROB_ROWS):
+            lp = logits_of(flat[start:start + PROMPT_LOGPROB_ROWS]).float().log_softmax(-1)
+            target = torch.tensor(targets[start:start + PROMPT_LOGPROB_ROWS], device=lp.device)
+            chosen = lp.gather(1, target[:, None]).squeeze(1)
+            rank = (lp > chosen[:, None]).sum(-1) + 1
+            k = top_n[i]
+            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+            for t, c, r, ids, vals in zip(target.tolist(), chosen.tolist(), rank.tolist(), top_i.tolist(),
+                                          top_v.tolist()):
+                entries.append((t, c, r, ids, vals))
+    return out
