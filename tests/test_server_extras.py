@@ -203,3 +203,24 @@ def test_echo_logprobs_as_lm_evaluation_harness_sends_them(name):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_openapi_document_405_and_empty_body(server):
+    """The OpenAPI document lists 400 (OpenAI's error shape), not FastAPI's 422; /metrics is text; chat needs a
+    message. A wrong method gets 405 with `Allow`; an empty body a message that says so."""
+    import httpx2
+
+    _, _, url = server
+    doc = httpx2.get(url + "/openapi.json").json()
+    text = str(doc)
+    assert "'422'" not in text and "HTTPValidationError" not in text
+    completions = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "error" in doc["components"]["schemas"]["ErrorResponse"]["properties"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert "/tokenize" in doc["paths"] and "/v1/models/{model_id}" in doc["paths"]
+    wrong = httpx2.get(url + "/v1/completions")
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+    empty = httpx2.post(url + "/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert empty.status_code == 400 and "None" not in empty.json()["error"]["message"], empty.text

@@ -20,13 +20,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stateserve.entrypoints.async_engine import AsyncEngine, build_off_main_thread
 from stateserve.entrypoints.metrics import ServerMetrics
 from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                                    ModelCard, ModelList)
+                                                    ErrorResponse, ModelCard, ModelList)
 from stateserve.entrypoints.request_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware, StrictJSONRoute
 from stateserve.entrypoints.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST, APIError, OpenAIServing
 from stateserve.entrypoints.serving_embedding import EmbeddingServing
@@ -114,7 +115,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(APIError(exc.status_code, str(exc.detail), type_))
+        return _error_response(APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers))  # 405: Allow
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -171,7 +172,35 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, made to say what the server does: invalid bodies get 400 in OpenAI's error shape (never
+    FastAPI's 422), /metrics is Prometheus text, `messages` holds at least one message."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=version(), routes=app.routes)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schemas["ErrorResponse"].pop("$defs", {}))
+        error = {"description": "invalid request, in OpenAI's error shape",
+                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for path, operations in schema["paths"].items():
+            for op in operations.values():
+                responses = op.setdefault("responses", {})
+                if responses.pop("422", None) is not None or path.startswith("/v1/models/"):
+                    responses["400" if not path.startswith("/v1/models/") else "404"] = error
+        metrics = schema["paths"].get("/metrics", {}).get("get", {}).get("responses", {}).get("200")
+        if metrics is not None:
+            metrics["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        chat = schemas.get("ChatCompletionRequest", {}).get("properties", {}).get("messages")
+        if chat is not None:
+            chat["minItems"] = 1
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class GracefulServer(uvicorn.Server):
