@@ -58,8 +58,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     prompt_logprobs: int | None = None  # per prompt token (None for the first): its logprob and the top k
+    best_of: int | None = None  # sample this many and return the n with the highest cumulative logprob
     # Filled by the engine from the model (eos, generation_config) and not part of the user API.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    # best_of without logprobs: the engine tracks them to rank the samples, and shows none
+    _hide_logprobs: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +125,8 @@ class SamplingParams:
             integer("logprobs", 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", 0, MAX_LOGPROBS)
+        if self.best_of is not None:
+            integer("best_of", n, what=f"must be an integer >= n ({n}), got {self.best_of!r}")
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         number("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
@@ -160,7 +165,15 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for one prompt: best_of, else n."""
+        return self.best_of or self.n
+
     def with_stop_ids(self, ids: frozenset[int]) -> "SamplingParams":
         import dataclasses
 
-        return dataclasses.replace(self, _all_stop_token_ids=ids)
+        extra = {}
+        if self.num_samples > self.n and self.logprobs is None:  # ranking the samples needs their logprobs
+            extra = dict(logprobs=0, _hide_logprobs=True)
+        return dataclasses.replace(self, _all_stop_token_ids=ids, **extra)

@@ -85,3 +85,21 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert whole.prompt_token_ids == ids
     with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens must be -1"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_best_of_returns_the_n_most_likely_samples(llm):
+    """best_of=6, n=2: six samples run (seeded), and the two with the highest cumulative logprob come back, in that
+    order; without logprobs asked, none are shown. The same six samples with n=6 and logprobs tell which those are."""
+    def sample(**kw):
+        return llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=8, seed=3, **kw),
+                            use_tqdm=False)[0].outputs
+
+    every = sample(n=6, logprobs=0)
+    best = sample(n=2, best_of=6)
+    ranked = sorted(every, key=lambda o: o.cumulative_logprob, reverse=True)[:2]
+    assert [o.token_ids for o in best] == [o.token_ids for o in ranked]
+    assert [o.index for o in best] == [0, 1] and best[0].logprobs is None and best[0].cumulative_logprob is None
+    shown = sample(n=2, best_of=6, logprobs=1)
+    assert [o.token_ids for o in shown] == [o.token_ids for o in ranked] and shown[0].logprobs is not None
+    with pytest.raises(SamplingParamsError, match="best_of must be an integer >= n"):
+        SamplingParams(n=3, best_of=2)

@@ -224,3 +224,17 @@ def test_openapi_document_405_and_empty_body(server):
     assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
     empty = httpx2.post(url + "/v1/completions", content=b"", headers={"content-type": "application/json"})
     assert empty.status_code == 400 and "None" not in empty.json()["error"]["message"], empty.text
+
+
+def test_best_of(server):
+    client, model, _ = server
+    base = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3)
+    every = client.completions.create(n=5, logprobs=0, **base).choices
+    best = client.completions.create(n=2, best_of=5, **base).choices
+    ranked = sorted(every, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)[:2]
+    assert [c.text for c in best] == [c.text for c in ranked] and [c.index for c in best] == [0, 1]
+    assert best[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="best_of must be an integer >= n"):
+        client.completions.create(n=3, best_of=2, **base)
+    with pytest.raises(openai.BadRequestError, match="not supported when streaming"):
+        client.completions.create(n=1, best_of=3, stream=True, **base)

@@ -175,15 +175,15 @@ class LLMEngine:
             raise ValueError(f"logit_bias has token id(s) outside the vocabulary [0, {self.model_config.vocab_size}):"
                              f" {sorted(t for t in params.logit_bias if t >= self.model_config.vocab_size)[:5]}")
         lo, hi = _SEED_RANGE
-        if params.seed is not None and not lo <= params.seed <= params.seed + params.n - 1 <= hi:
-            raise ValueError(f"seed={params.seed} with n={params.n}: sample i is seeded with seed + i, which must "
-                             f"lie in [-2**63, 2**64 - 1]")
+        if params.seed is not None and not lo <= params.seed <= params.seed + params.num_samples - 1 <= hi:
+            raise ValueError(f"seed={params.seed} with {params.num_samples} samples: sample i is seeded with seed + "
+                             f"i, which must lie in [-2**63, 2**64 - 1]")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         params = params.with_stop_ids(stop_ids)
         children = []
         hold_back = max((len(s) for s in params.stop), default=1) - 1  # what may be the start of a stop string
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i in range(params.num_samples):
+            child_id = request_id if params.num_samples == 1 else f"{request_id}#{i}"
             if child_id in self.requests:
                 raise ValueError(f"request id {child_id!r} is already in use")
             gen = None

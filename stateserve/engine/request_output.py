@@ -35,11 +35,15 @@ def make_output(group_id: str, reqs: list[Request], speculating: bool) -> Reques
         return EmbeddingRequestOutput(request_id=group_id, prompt_token_ids=list(first.prompt_token_ids),
                                       outputs=EmbeddingOutput(embedding=vector, error=first.error),
                                       finished=first.is_finished, prompt=first.prompt)
+    shown = reqs
+    if first.params.num_samples > first.params.n and all(r.is_finished for r in reqs):  # best_of: the n best
+        shown = sorted(reqs, key=lambda r: r.cumulative_logprob, reverse=True)[:first.params.n]
+    hide = first.params._hide_logprobs
     outs = [CompletionOutput(index=i, text=r.output_text, token_ids=list(r.output_token_ids),
-                             cumulative_logprob=r.cumulative_logprob if r.logprobs is not None else None,
-                             logprobs=r.logprobs, finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-                             error=r.error)
-            for i, r in enumerate(reqs)]
+                             cumulative_logprob=None if r.logprobs is None or hide else r.cumulative_logprob,
+                             logprobs=None if hide else r.logprobs, finish_reason=r.finish_reason,
+                             stop_reason=r.stop_reason, error=r.error)
+            for i, r in enumerate(shown)]
     return RequestOutput(request_id=group_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
                          outputs=outs, finished=all(r.is_finished for r in reqs),
                          num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,

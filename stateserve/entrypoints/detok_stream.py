@@ -102,3 +102,18 @@ def echo_logprobs(prompt_ids: list[int], entries: list[dict[int, Logprob] | None
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         getattr(out, field).extend(getattr(generated, field))
     return out
+
+
+def best_of_choices(choices: list[ChoiceState], width: int, n: int) -> list[tuple[int, ChoiceState]]:
+    """(prompt index, choice) of what a completion returns: per prompt its `width` samples, or with best_of the n
+    with the highest cumulative logprob (the engine tracks the sampled logprobs of best_of samples)."""
+    def cumulative(ch: ChoiceState) -> float:
+        return sum(e[t].logprob for t, e in zip(ch.token_ids, ch.logprobs) if t in e)
+
+    out = []
+    for p in range(len(choices) // width):
+        group = choices[p * width:(p + 1) * width]
+        if width > n:
+            group = sorted(group, key=cumulative, reverse=True)[:n]
+        out += [(p, ch) for ch in group]
+    return out

@@ -152,8 +152,6 @@ class CompletionRequest(_SamplingFields):
         bad = super().unsupported_fields()
         if self.suffix:
             bad.append("suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            bad.append("best_of")
         return bad
 
 

@@ -136,3 +136,12 @@ class PromptInput:
             return self.tokenizer.decode(ids)
         except Exception as e:
             raise APIError(400, f"the prompt's token ids could not be decoded: {e}", param="prompt") from e
+
+
+def truncated(prompts: Prompts, keep: int | None, max_model_len: int) -> Prompts:
+    """truncate_prompt_tokens: each prompt's last `keep` tokens (-1: as many as leave room for one new token),
+    before the context check, as the engine keeps them."""
+    if keep is None:
+        return prompts
+    keep = max_model_len - 1 if keep == -1 else keep
+    return [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]

@@ -14,27 +14,19 @@ from pydantic import BaseModel
 
 from stateserve.entrypoints.async_engine import AsyncEngine
 from stateserve.entrypoints.streams import EngineDead, EngineOverloaded, GroupUpdate, RequestStream
-from stateserve.entrypoints.detok_stream import ChoiceState, chat_logprobs, completion_logprobs, echo_logprobs
+from stateserve.entrypoints.detok_stream import (ChoiceState, best_of_choices, chat_logprobs, completion_logprobs,
+                                                 echo_logprobs)
 from stateserve.entrypoints.metrics import RequestTimer, ServerMetrics
 from stateserve.entrypoints.errors import APIError
 from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatResponseMessage, CompletionChoice, CompletionRequest,
                                                     CompletionResponse, DeltaMessage, PromptTokensDetails, Usage)
-from stateserve.entrypoints.prompt_input import Prompts, PromptInput, count_prompts
+from stateserve.entrypoints.prompt_input import Prompts, PromptInput, count_prompts, truncated
 from stateserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 _MAX_N = 128  # OpenAI's limit
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256  # prompts x n of one request (--max-sequences-per-request)
-
-
-def _truncated(prompts: Prompts, keep: int | None, max_model_len: int) -> Prompts:
-    """truncate_prompt_tokens: each prompt's last `keep` tokens (-1: as many as leave room for one new token),
-    before the context check, as the engine keeps them."""
-    if keep is None:
-        return prompts
-    keep = max_model_len - 1 if keep == -1 else keep
-    return [(text if len(ids) <= keep else None, ids[-keep:]) for text, ids in prompts]
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -153,9 +145,11 @@ class OpenAIServing:
         n = _default(req.n, 1)
         if not 1 <= n <= _MAX_N:
             raise APIError(400, f"n must be in [1, {_MAX_N}], got {n}", param="n")
-        if num_prompts * n > self.max_sequences_per_request:
-            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
-                                f"sequences, more than this server's limit of {self.max_sequences_per_request} per "
+        best_of = getattr(req, "best_of", None)  # completions only
+        samples = best_of if isinstance(best_of, int) and best_of > n else n
+        if num_prompts * samples > self.max_sequences_per_request:
+            raise APIError(400, f"this request asks for {num_prompts} prompt(s) x n={samples} = "
+                                f"{num_prompts * samples} sequences, more than this server's limit of {self.max_sequences_per_request} per "
                                 "request (--max-sequences-per-request)", param="n" if n > 1 else "prompt")
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             param = names.get("logprobs", "logprobs")
@@ -182,7 +176,7 @@ class OpenAIServing:
                 repetition_penalty=_default(req.repetition_penalty, 1.0),
                 skip_special_tokens=_default(req.skip_special_tokens, True), logit_bias=logit_bias,
                 include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
-                truncate_prompt_tokens=req.truncate_prompt_tokens)
+                truncate_prompt_tokens=req.truncate_prompt_tokens, best_of=best_of)
         except SamplingParamsError as e:
             param = names.get(e.param, e.param)
             msg = str(e).removeprefix("SamplingParams: ")
@@ -215,15 +209,18 @@ class OpenAIServing:
         prompt_only = bool(req.echo) and req.max_tokens == 0
         if req.echo and req.logprobs is not None and req.stream:
             raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+        if req.stream and req.best_of is not None and req.best_of > _default(req.n, 1):
+            raise APIError(400, "best_of greater than n is not supported when streaming", param="best_of")
         params = self._sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs,
                                        count_prompts(req.prompt))
         if req.echo and req.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-        prompts = _truncated(await self.inputs.completion(req.prompt, _default(req.add_special_tokens, True)),
+        prompts = truncated(await self.inputs.completion(req.prompt, _default(req.add_special_tokens, True)),
                              params.truncate_prompt_tokens, self.max_model_len)
         self._check_context(prompts, req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         echo = [self._echo_text(t, ids) if req.echo else "" for t, ids in prompts]
-        choices = [ChoiceState(echo[p]) for p in range(len(prompts)) for _ in range(params.n)]
+        width = params.num_samples  # best_of: every sample runs, the n best are returned
+        choices = [ChoiceState(echo[p]) for p in range(len(prompts)) for _ in range(width)]
         stream = await self._submit(prompts, params, req.stream)
         ctx = _Context(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
                        RequestTimer(self.metrics, arrival), req.stream_options)
@@ -234,14 +231,13 @@ class OpenAIServing:
         if gone:
             return Response(status_code=499)
         out = []
-        for i, ch in enumerate(choices):
+        for i, (p, ch) in enumerate(best_of_choices(choices, width, params.n)):
             lp = None
             if params.logprobs is not None:
                 shown = 0 if prompt_only else len(ch.token_ids)
                 lp, _ = completion_logprobs(ch.token_ids[:shown], ch.logprobs[:shown], len(ch.echo_text))
                 if req.echo:
-                    lp = echo_logprobs(prompts[i // params.n][1], ctx.prompt_logprobs[i // params.n], lp,
-                                       lambda t: self.inputs.decode([t]))
+                    lp = echo_logprobs(prompts[p][1], ctx.prompt_logprobs[p], lp, lambda t: self.inputs.decode([t]))
             out.append(CompletionChoice(index=i, text=ch.echo_text if prompt_only else ch.full_text, logprobs=lp,
                                         finish_reason="length" if prompt_only else ch.finish_reason,
                                         stop_reason=None if prompt_only else ch.stop_reason))
@@ -258,7 +254,7 @@ class OpenAIServing:
         names = {"logprobs": "top_logprobs",
                  "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, names)
-        prompts = _truncated(await self._chat_prompt(req), params.truncate_prompt_tokens, self.max_model_len)
+        prompts = truncated(await self._chat_prompt(req), params.truncate_prompt_tokens, self.max_model_len)
         self._check_context(prompts, max_tokens, True, "messages")
         choices = [ChoiceState() for _ in range(params.n)]
         stream = await self._submit(prompts, params, req.stream)
@@ -371,7 +367,7 @@ class _Context:
             self.prompt_logprobs[update.prompt_index] = update.prompt_logprobs
         out = []
         for seq in update.seqs:
-            index = update.prompt_index * self.params.n + seq.index
+            index = update.prompt_index * self.params.num_samples + seq.index
             delta = self.choices[index].apply(seq, streaming)
             self.timer.on_tokens(index, len(seq.new_token_ids), update.time)
             if seq.finish_reason is not None:
