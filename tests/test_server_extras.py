@@ -238,3 +238,31 @@ def test_best_of(server):
         client.completions.create(n=3, best_of=2, **base)
     with pytest.raises(openai.BadRequestError, match="not supported when streaming"):
         client.completions.create(n=1, best_of=3, stream=True, **base)
+
+
+def test_responses_api(server):
+    """/v1/responses through the openai client: text input and instructions give the chat completion's reply for
+    the same messages, streamed as the client's events too; what needs stored state or tools is a 400."""
+    client, model, _ = server
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a list?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    expected = chat.choices[0].message.content
+    resp = client.responses.create(model=model, instructions="Answer briefly.", input="What is a list?",
+                                   max_output_tokens=12, temperature=0)
+    assert resp.output_text == expected and resp.status in ("completed", "incomplete")
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    items = client.responses.create(model=model, max_output_tokens=12, temperature=0, input=[
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is a list?"}]}])
+    assert items.output_text == expected
+    events = list(client.responses.create(model=model, instructions="Answer briefly.", input="What is a list?",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].response.output_text == expected
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model=model, input="hi", previous_response_id="resp_123")
+    with pytest.raises(openai.BadRequestError, match="input must not be empty"):
+        client.responses.create(model=model, input=[])

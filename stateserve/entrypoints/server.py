@@ -31,6 +31,7 @@ from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, Compl
 from stateserve.entrypoints.request_guard import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware, StrictJSONRoute
 from stateserve.entrypoints.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST, APIError, OpenAIServing
 from stateserve.entrypoints.serving_embedding import EmbeddingServing
+from stateserve.entrypoints.serving_responses import ResponsesRequest, ResponsesServing
 from stateserve.entrypoints.serving_tokens import DetokenizeRequest, TokenServing, version
 
 logger = logging.getLogger("stateserve.server")
@@ -85,6 +86,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
                             max_sequences_per_request=max_sequences_per_request)
     embedding_serving = EmbeddingServing(serving)
     token_serving = TokenServing(serving)
+    responses_serving = ResponsesServing(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -147,6 +149,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: li
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
         return await embedding_serving.create(body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await responses_serving.create(body, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]) -> JSONResponse:
