@@ -21,12 +21,11 @@ sys.path.insert(0, BENCH)
 
 from common import model_folder  # noqa: E402
 from stateserve import LLM, SamplingParams  # noqa: E402
+from stateserve.spec_decode.proposer import Proposer  # noqa: E402
 
 
-class OwnOutputProposer:
+class OwnOutputProposer(Proposer):
     """Drafts the tokens a previous run produced at the request's next positions (no model, no state)."""
-
-    cache_bytes = 0
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -34,15 +33,6 @@ class OwnOutputProposer:
     def propose(self, wanted) -> None:
         for req, k in wanted:
             req.spec_token_ids = self.tokens[req.num_output_tokens:req.num_output_tokens + k]
-
-    def after_verify(self, req, num_fed: int) -> None:
-        pass
-
-    def remove(self, req) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 def timed(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:

@@ -7,20 +7,12 @@ import pytest
 
 from stateserve import LLM, SamplingParams
 from stateserve.sampling_params import SamplingParamsError
-
-
-def _demo(name: str = "llama-demo") -> str:
-    from stateserve.assets import bundled_models
-
-    model = bundled_models().get(name)
-    if model is None:
-        pytest.skip(f"the bundled {name} model is missing")
-    return model
+from utils import demo_model
 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(_demo(), enable_prefix_caching=False) as engine:
+    with LLM(demo_model("llama-demo"), enable_prefix_caching=False) as engine:
         yield engine
 
 

@@ -7,23 +7,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from utils import start_server
+from utils import demo_model, start_server
 
 PROMPT = "The with statement is used to"
 
 
-def _demo(name: str = "llama-demo") -> str:
-    from stateserve.assets import bundled_models
-
-    model = bundled_models().get(name)
-    if model is None:
-        pytest.skip(f"the bundled {name} model is missing")
-    return model
-
-
 @pytest.fixture(scope="module")
 def server():
-    model = _demo()
+    model = demo_model("llama-demo")
     proc, url, _ = start_server(model)
     try:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60), model, url
@@ -171,7 +162,7 @@ def test_echo_logprobs_as_lm_evaluation_harness_sends_them(name):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = _demo(name)
+    model = demo_model(name)
     tok = AutoTokenizer.from_pretrained(model)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     context, continuation = "The with statement is used to", " wrap the execution of a block"

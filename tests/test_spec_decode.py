@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stateserve import LLM, SamplingParams
+from stateserve.spec_decode.proposer import Proposer
 from test_bamba import _build as bamba
 from test_jamba import _build as jamba
 from test_llama import _build as llama_or_qwen2
@@ -50,11 +51,9 @@ def verify_every_request(monkeypatch):
     monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts plain decoding's next tokens (looked up by prompt), each replaced by a wrong one with probability
     `error`; keeps no state, like prompt lookup."""
-
-    cache_bytes = 0
 
     def __init__(self, reference: dict[tuple[int, ...], list[int]], error: float, seed: int = 0) -> None:
         self.reference, self.error, self.rng = reference, error, random.Random(seed)
@@ -66,15 +65,6 @@ class OracleProposer:
             drafts = ref[req.num_output_tokens:req.num_output_tokens + k]
             req.spec_token_ids = [t if self.rng.random() >= self.error else (t + 1) % 300 for t in drafts]
             self.num_proposed += len(drafts)
-
-    def after_verify(self, req, num_fed: int) -> None:
-        pass
-
-    def remove(self, req) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 def greedy(**kw) -> SamplingParams:

@@ -15,7 +15,7 @@ import torch
 from stateserve import LLM, SamplingParams
 from test_spec_decode import ARCHS, PROMPTS, OracleProposer, assert_clean, greedy, run
 from test_spec_decode import verify_every_request  # noqa: F401  (autouse: drafts for every running request)
-from utils import build_hf_model, save_model, start_server
+from utils import build_hf_model, demo_model, save_model, start_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -291,15 +291,6 @@ SPEC_JSON = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_
                         "prompt_lookup_max": 3})
 
 
-def _demo(name: str) -> str:
-    from stateserve.assets import bundled_models
-
-    model = bundled_models().get(name)
-    if model is None:
-        pytest.skip(f"the bundled {name} model is missing")
-    return model
-
-
 def _plain_text(model: str, prompt: str, max_tokens: int) -> str:
     with LLM(model, enable_prefix_caching=False) as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -307,7 +298,7 @@ def _plain_text(model: str, prompt: str, max_tokens: int) -> str:
 
 
 def test_cli_generate_with_speculative_config():
-    model = _demo("llama-demo")
+    model = demo_model("llama-demo")
     env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1"}
     env.pop("STATESERVE_CONFIGURE_LOGGING", None)
     cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "generate", "--model", model, "--prompt", COPY_PROMPT,
@@ -325,7 +316,7 @@ def test_server_with_speculation_streams_plain_text_and_reports_metrics():
     import httpx2
     import openai
 
-    model = _demo("llama-demo")
+    model = demo_model("llama-demo")
     expected = _plain_text(model, COPY_PROMPT, 32)
     proc, url, lines = start_server(model, "--speculative-config", SPEC_JSON,
                                     env={"STATESERVE_LOG_STATS_INTERVAL": "0.05"})

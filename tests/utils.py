@@ -181,3 +181,15 @@ def assert_cache_sized(llm, num_blocks: int, max_num_seqs: int | None = None) ->
         assert llm.llm_engine.runner.max_num_seqs == max_num_seqs, caches.plan
         if caches.manager.slot_pool is not None:
             assert caches.manager.slot_pool.num_slots == max_num_seqs, caches.plan
+
+
+def demo_model(name: str) -> str:
+    """The bundled demo model folder `name` (llama-demo, mamba2-demo, hybrid-demo); the test is skipped without it."""
+    import pytest
+
+    from stateserve.assets import bundled_models
+
+    model = bundled_models().get(name)
+    if model is None:
+        pytest.skip(f"the bundled {name} model is missing")
+    return model

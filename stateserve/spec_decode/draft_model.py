@@ -19,6 +19,7 @@ from stateserve.core.batch import SchedulerOutput
 from stateserve.core.request import Request
 from stateserve.models.folder import build_model_config, load_tokenizer
 from stateserve.sampling_params import SamplingParams
+from stateserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("stateserve")
 GiB = 1 << 30
@@ -45,7 +46,7 @@ def _check_same_vocabulary(target: ModelConfig, draft: ModelConfig, target_token
                          "(same size, different tokens); a draft model must share the target's tokenizer")
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, config: EngineConfig, target: ModelConfig, tokenizer: Any, budget_bytes: int) -> None:
         from stateserve.runner.model_runner import ModelRunner
 
@@ -147,9 +148,6 @@ class DraftModelProposer:
         for req, n in zip(sched.requests, sched.num_new_tokens):
             req.num_computed_tokens += n
         return dict(zip(batch.sample_indices, result.token_ids)) if result is not None else {}
-
-    def after_verify(self, req: Request, num_fed: int) -> None:
-        """The mirror is rolled back lazily, when the request next drafts (or dropped when it ends)."""
 
     def remove(self, req: Request) -> None:
         m = self.mirrors.pop(req, None)

@@ -7,6 +7,7 @@ from array import array
 
 from stateserve.core.request import Request
 from stateserve.config import SpeculativeConfig
+from stateserve.spec_decode.proposer import Proposer
 
 _WORD = 4  # bytes per token id in the search buffer
 
@@ -38,21 +39,10 @@ def _continue(tokens: list[int], start: int, k: int) -> list[int]:
     return out
 
 
-class NgramProposer:
-    cache_bytes = 0  # no model, no caches
-
+class NgramProposer(Proposer):
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
 
     def propose(self, requests: list[tuple[Request, int]]) -> None:
         for req, k in requests:
             req.spec_token_ids = lookup(req.token_ids, k, self.lo, self.hi)
-
-    def after_verify(self, req: Request, num_fed: int) -> None:
-        """Nothing to roll back: prompt lookup keeps no state."""
-
-    def remove(self, req: Request) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass

@@ -125,8 +125,7 @@ class Speculator:
                                    f"{req.num_computed_tokens} computed ones")
             self.runner.rollback(req, start, start + n, req.num_computed_tokens)
             self.cache.trim(req)
-            self.cache.publish_blocks(req)
-            self.proposer.after_verify(req, start + n)
+            self.cache.publish_blocks(req)  # (a draft model's mirror rolls back when the request next drafts)
 
     def on_preempted(self, reqs: list[Request]) -> None:
         for req in reqs:
