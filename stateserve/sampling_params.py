@@ -35,6 +35,29 @@ def _kind(value: object) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of a JSON schema (a dict or its JSON text), any JSON
+    object, a regular expression, one of several strings, or a Lark grammar."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", "structured_outputs needs exactly one of json, "
+                                                            f"json_object, regex, choice, grammar; got {given or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise SamplingParamsError("structured_outputs", "structured_outputs.choice must be a non-empty list of "
+                                                            "strings")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Validated once, when built; an unknown keyword raises TypeError naming it."""
 
@@ -59,6 +82,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     prompt_logprobs: int | None = None  # per prompt token (None for the first): its logprob and the top k
     best_of: int | None = None  # sample this many and return the n with the highest cumulative logprob
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a dict is read as StructuredOutputsParams
     # Filled by the engine from the model (eos, generation_config) and not part of the user API.
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     # best_of without logprobs: the engine tracks them to rank the samples, and shows none
@@ -77,6 +101,11 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise SamplingParamsError("structured_outputs", f"structured_outputs: {e}") from None
         self._validate()
 
     def _validate(self) -> None:

@@ -26,6 +26,7 @@ def server():
 def _complete(client, model, prompt=PROMPT, **kw):
     extra = {k: kw.pop(k) for k in list(kw) if k in ("include_stop_str_in_output", "truncate_prompt_tokens",
                                                      "add_special_tokens", "min_tokens")}
+    extra.update(kw.pop("extra_body", {}))
     return client.completions.create(model=model, prompt=prompt, temperature=0, extra_body=extra, **kw)
 
 
@@ -257,3 +258,34 @@ def test_responses_api(server):
         client.responses.create(model=model, input="hi", previous_response_id="resp_123")
     with pytest.raises(openai.BadRequestError, match="input must not be empty"):
         client.responses.create(model=model, input=[])
+
+
+def test_structured_outputs_through_the_server(server):
+    """response_format (json_schema, json_object) on chat, vLLM's structured_outputs and guided_* on completions,
+    streamed too: the text parses and validates; a bad schema or two constraints at once are 400s."""
+    import json
+
+    import jsonschema
+
+    client, model, _ = server
+    schema = {"type": "object", "properties": {"kind": {"enum": ["list", "dict"]},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["kind", "size"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Describe a container."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "c", "schema": schema,
+                                                                           "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=64, temperature=0,
+                                            stream=True, response_format={"type": "json_schema", "json_schema": {
+                                                "name": "c", "schema": schema}})
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), schema)
+    done = _complete(client, model, max_tokens=64, extra_body={"structured_outputs": {"json": schema}})
+    jsonschema.validate(json.loads(done.choices[0].text), schema)
+    choice = _complete(client, model, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        _complete(client, model, max_tokens=8, extra_body={"guided_json": {"type": "bogus"}})
+    with pytest.raises(openai.BadRequestError, match="one structured output at most"):
+        _complete(client, model, max_tokens=8, extra_body={"guided_regex": "a", "guided_choice": ["b"]})

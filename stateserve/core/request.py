@@ -47,6 +47,7 @@ class Request:
     # block keys, snapshots and outputs only ever see committed tokens), and the request's counters (SpecStats)
     spec_token_ids: list[int] = field(default_factory=list)
     spec: Any = None
+    constraint: Any = None  # runner.structured.Constraint of a request with structured_outputs
     # prefix cache bookkeeping (owned by CacheManager)
     cache_extra: bytes = b""  # folded into every block key: anything besides tokens that changes the cache
     block_hashes: list[bytes] = field(default_factory=list)

@@ -28,6 +28,7 @@ from stateserve.core.batch import InputBatch
 from stateserve.pooling_params import PoolingParams
 from stateserve.runner.model_runner import ModelRunner, PoolingResult
 from stateserve.runner.sampler import SampleResult
+from stateserve.runner.structured import GrammarCompiler
 from stateserve.sampling_params import SamplingParams
 from stateserve.spec_decode.speculator import Speculator, make_proposer
 
@@ -95,6 +96,7 @@ class LLMEngine:
         self.speculator = None if proposer is None else Speculator(config, proposer, self.runner, self.cache,
                                                                    self.stats, self.model_config)
         self.stats_log = StatsLog()
+        self.grammar_compiler: GrammarCompiler | None = None
 
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -195,8 +197,16 @@ class LLMEngine:
                 req.encoder_input, req.cache_extra = encoder_input, encoder_input.cache_key
             if self.tokenizer is not None and (params.stop or stream_text):
                 req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, hold_back)
+            if params.structured_outputs is not None:
+                req.constraint = self._grammars().constraint(params.structured_outputs)
             children.append(req)
         return children
+
+    def _grammars(self) -> GrammarCompiler:
+        """Made on first use: converting the vocabulary for the grammar engine takes a while."""
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self.grammar_compiler
 
     def add_prepared(self, children: list[Request]) -> None:
         """Queue the sequences `prepare_request` built (all of them, or none when the id is taken by now)."""
@@ -344,9 +354,6 @@ class LLMEngine:
             req.cumulative_logprob += result.sampled_logprobs[j]
             req.logprobs.append(logprob_entry(token, result.sampled_logprobs[j], result.sampled_ranks[j],
                                               *result.top_logprobs[j], self.detokenizer.decode_token))
-        self._check_stop(req, token)
-
-    def _check_stop(self, req: Request, token: int) -> None:
         if apply_stop_rules(req, token, self.model_config.max_model_len):
             self._finish(req)
 

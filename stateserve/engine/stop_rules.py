@@ -1,6 +1,6 @@
-"""When a sequence stops, applied after each of its new tokens: stop ids and stop strings (only once min_tokens
-tokens exist; a stop string is looked for in the text the token added, with the string's length before it),
-max_tokens and max_model_len."""
+"""When a sequence stops, applied after each of its new tokens: a structured output's completed grammar, stop ids and
+stop strings (only once min_tokens tokens exist; a stop string is looked for in the text the token added, with the
+string's length before it), max_tokens and max_model_len."""
 from __future__ import annotations
 
 from stateserve.core.request import Request
@@ -10,6 +10,8 @@ from stateserve.engine.detokenizer import find_stop_string
 def apply_stop_rules(req: Request, token: int, max_model_len: int) -> bool:
     """Set the request's finish and stop reasons (and its text cut at a stop string) if `token` ends it; True then."""
     p = req.params
+    if req.constraint is not None and req.constraint.consume(token):  # a structured output's grammar is complete
+        req.finish_reason = "stop"
     if req.num_output_tokens < p.min_tokens:
         if p.stop and req.detok is not None:
             req.output_text = req.detok.text  # text before min_tokens is never searched for stop strings

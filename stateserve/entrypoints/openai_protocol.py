@@ -125,6 +125,13 @@ class _SamplingFields(_Strict):
     ignore_eos: StrictBool | None = None  # null: false
     stop_token_ids: _List(StrictInt) | None = None
     skip_special_tokens: StrictBool | None = None  # null: true
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: _List(StrictStr) | None = None
+    guided_grammar: StrictStr | None = None
     include_stop_str_in_output: StrictBool | None = None  # null: false
     truncate_prompt_tokens: StrictInt | None = None  # keep the prompt's last k tokens (-1: as many as fit)
     add_special_tokens: StrictBool | None = None  # null: true for completions, false for chat (the template has them)
@@ -132,6 +139,31 @@ class _SamplingFields(_Strict):
     def unsupported_fields(self) -> list[str]:
         """Declared-but-unsupported fields that the client actually set to something non-trivial."""
         return []
+
+    def structured_outputs_params(self) -> dict[str, Any] | None:
+        """The one constraint the request sets, as SamplingParams.structured_outputs; ValueError for several, or for a
+        response_format this server does not know."""
+        found = {}
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+            found["response_format"] = {"json": spec["schema"]}
+        elif kind != "text":
+            raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        if self.structured_outputs:
+            found["structured_outputs"] = dict(self.structured_outputs)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found[name] = {key: getattr(self, name)}
+        if len(found) > 1:
+            raise ValueError(f"set one structured output at most, got {', '.join(found)}")
+        return next(iter(found.values()), None)
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -233,7 +265,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: _List(dict[str, Any]) | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: _List(StrictStr) | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -253,8 +284,6 @@ class ChatCompletionRequest(_SamplingFields):
             bad.append("functions")
         if self.function_call not in (None, "none", "auto"):
             bad.append("function_call")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            bad.append("response_format")
         if self.modalities and self.modalities != ["text"]:
             bad.append("modalities")
         if self.audio:

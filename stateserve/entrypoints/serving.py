@@ -159,6 +159,10 @@ class OpenAIServing:
             top_k = self.vocab_size  # the same as no top-k; keeps absurd values away from the sampler
         if req.stop_token_ids:
             self.inputs.check_ids(req.stop_token_ids, "stop_token_ids")
+        try:
+            structured = req.structured_outputs_params()
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from e
         logit_bias = None
         if req.logit_bias:
             if not all(k.isdigit() for k in req.logit_bias):
@@ -176,7 +180,7 @@ class OpenAIServing:
                 repetition_penalty=_default(req.repetition_penalty, 1.0),
                 skip_special_tokens=_default(req.skip_special_tokens, True), logit_bias=logit_bias,
                 include_stop_str_in_output=_default(req.include_stop_str_in_output, False),
-                truncate_prompt_tokens=req.truncate_prompt_tokens, best_of=best_of)
+                truncate_prompt_tokens=req.truncate_prompt_tokens, best_of=best_of, structured_outputs=structured)
         except SamplingParamsError as e:
             param = names.get(e.param, e.param)
             msg = str(e).removeprefix("SamplingParams: ")
@@ -196,8 +200,9 @@ class OpenAIServing:
             raise APIError(503, str(e), "server_error", code="overloaded", headers={"Retry-After": "1"}) from e
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", code="engine_dead") from e
-        except (ValueError, TypeError) as e:  # the engine's own prompt checks (vocabulary, cache size, ...)
-            raise APIError(400, str(e), param="prompt") from e
+        except (ValueError, TypeError) as e:  # the engine's own checks (vocabulary, cache size, a bad grammar)
+            raise APIError(400, str(e), param="response_format" if str(e).startswith("structured_outputs")
+                           else "prompt") from e
 
     # ---- endpoints -------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:

@@ -1,4 +1,4 @@
-"""Batched sampling on the logits' device: penalties, logit bias, min_tokens, greedy, temperature, top-k/top-p/min-p,
+"""Batched sampling on the logits' device: penalties, logit bias, min_tokens, structured-output masks, greedy, temperature, top-k/top-p/min-p,
 per-request seeds, top-N logprobs. Python loops touch only rows that need per-request work
 (a request's own seed, penalties); everything else is one tensor op over the batch."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from stateserve.core.request import Request
+from stateserve.runner import structured
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Sampler:
         _apply_penalties(logits, reqs)
         _apply_logit_bias(logits, reqs)
         _mask_stop_tokens_before_min(logits, reqs)
+        structured.mask_rows(logits, [getattr(r, "constraint", None) for r in reqs])
 
         temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
         greedy = temps < 1e-5

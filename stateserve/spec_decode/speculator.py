@@ -55,7 +55,8 @@ class SpecStats:
 
 def _is_decoding(req: Request) -> bool:
     """Every known token but the last is computed (not a prompt still being computed, not a pooled prompt)."""
-    return not req.is_pooling and not req.is_finished and 0 < req.num_computed_tokens == req.num_tokens - 1
+    return not req.is_pooling and not req.is_finished and 0 < req.num_computed_tokens == req.num_tokens - 1 \
+        and req.constraint is None  # (a structured output's matcher cannot take back rejected drafts)
 
 
 def make_proposer(config: EngineConfig, model_config: ModelConfig, tokenizer: Any, budget_bytes: int) -> Any:
