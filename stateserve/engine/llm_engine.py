@@ -96,7 +96,7 @@ class LLMEngine:
         self.speculator = None if proposer is None else Speculator(config, proposer, self.runner, self.cache,
                                                                    self.stats, self.model_config)
         self.stats_log = StatsLog()
-        self.grammar_compiler: GrammarCompiler | None = None
+        self.grammars = GrammarCompiler(self.tokenizer)  # structured outputs
 
     # ---- requests ------------------------------------------------------------------------------
     def validate_prompt(self, token_ids: list[int]) -> None:
@@ -198,15 +198,9 @@ class LLMEngine:
             if self.tokenizer is not None and (params.stop or stream_text):
                 req.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, hold_back)
             if params.structured_outputs is not None:
-                req.constraint = self._grammars().constraint(params.structured_outputs)
+                req.constraint = self.grammars.constraint(params.structured_outputs)
             children.append(req)
         return children
-
-    def _grammars(self) -> GrammarCompiler:
-        """Made on first use: converting the vocabulary for the grammar engine takes a while."""
-        if self.grammar_compiler is None:
-            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self.grammar_compiler
 
     def add_prepared(self, children: list[Request]) -> None:
         """Queue the sequences `prepare_request` built (all of them, or none when the id is taken by now)."""

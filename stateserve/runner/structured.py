@@ -19,14 +19,19 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        import llguidance
-        import llguidance.hf
-
-        self._ll = llguidance
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer) if tokenizer is not None else None
-        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+    def __init__(self, tokenizer: Any) -> None:
+        self._hf_tokenizer = tokenizer
+        self._ll: Any = None  # llguidance and its view of the vocabulary, made on first use (it takes a while)
+        self.tokenizer: Any = None
         self._grammars: OrderedDict[str, str] = OrderedDict()
+
+    def _load(self) -> None:
+        if self._ll is None:
+            import llguidance
+            import llguidance.hf
+
+            self._ll = llguidance
+            self.tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
 
     def _grammar(self, so: StructuredOutputsParams) -> str:
         matcher = self._ll.LLMatcher
@@ -43,8 +48,9 @@ class GrammarCompiler:
 
     def constraint(self, so: StructuredOutputsParams) -> "Constraint":
         """A fresh matcher for one sequence; ValueError naming what is wrong with the constraint."""
-        if self.tokenizer is None:
+        if self._hf_tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer (the engine runs without one)")
+        self._load()
         key = json.dumps([so.json, so.json_object, so.regex, so.choice, so.grammar], sort_keys=True, default=str)
         grammar = self._grammars.get(key)
         if grammar is None:
