@@ -224,7 +224,8 @@ class CompletionResponse(BaseModel):
 
 # ---- chat --------------------------------------------------------------------------------------
 class ChatMessage(_Open):
-    """system / developer / user / assistant; tool messages and function calls are rejected later. `content` is
+    """system / developer / user / assistant / tool; `tool_calls` and `tool_call_id` (extra fields) are checked by
+    entrypoints.serving_tools. `content` is
     a string or a list of content parts, objects with a string `type` (only "text" is served) and `text`."""
 
     role: StrictStr
@@ -257,12 +258,13 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # OpenAI fields this engine cannot honour: a 400 when set
+    # tool calling (entrypoints.serving_tools checks them)
     tools: _List(dict[str, Any]) | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None  # null: "auto" with tools, else "none"
+    parallel_tool_calls: StrictBool | None = None  # null: true
+    # OpenAI fields this engine cannot honour: a 400 when set
     functions: _List(dict[str, Any]) | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: _List(StrictStr) | None = None
@@ -276,10 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
         if self.functions:
             bad.append("functions")
         if self.function_call not in (None, "none", "auto"):
@@ -309,9 +307,33 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -334,6 +356,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -106,8 +106,9 @@ class PromptInput:
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                    template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
-                   add_special_tokens: bool = False) -> Prompts:
-        """Render the chat template and tokenize the result, both on the worker thread."""
+                   add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> Prompts:
+        """Render the chat template (with the request's tool definitions) and tokenize the result, both on the
+        worker thread."""
         self._need_tokenizer("messages")
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; start the server with "
@@ -117,7 +118,7 @@ class PromptInput:
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, chat_template=self.chat_template,
+                    continue_final_message=continue_final_message, chat_template=self.chat_template, tools=tools,
                     **(template_kwargs or {}))
             except Exception as e:  # a template error is the request's doing (roles, kwargs), not the server's
                 raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from e

@@ -23,6 +23,8 @@ from stateserve.entrypoints.openai_protocol import (ChatChoice, ChatChunkChoice,
                                                     ChatResponseMessage, CompletionChoice, CompletionRequest,
                                                     CompletionResponse, DeltaMessage, PromptTokensDetails, Usage)
 from stateserve.entrypoints.prompt_input import Prompts, PromptInput, count_prompts, truncated
+from stateserve.entrypoints.serving_tools import ToolDeltas, chat_messages, plan_tools, tool_reply
+from stateserve.entrypoints.tool_parsers import get_tool_parser
 from stateserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 _MAX_N = 128  # OpenAI's limit
@@ -65,9 +67,13 @@ async def _wait_disconnect(raw: Request) -> None:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any | None, model_names: list[str],
                  metrics: ServerMetrics | None = None, chat_template: str | None = None,
-                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST) -> None:
+                 max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                 tool_call_parser: str | None = None) -> None:
         if max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request must be >= 1, got {max_sequences_per_request}")
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # an unknown name fails at start-up, not on the first request
+        self.tool_call_parser = tool_call_parser
         self.engine, self.tokenizer, self.model_names = engine, tokenizer, model_names
         self.metrics, self.chat_template = metrics, chat_template
         self.max_model_len = engine.max_model_len
@@ -88,26 +94,8 @@ class OpenAIServing:
             raise APIError(400, f"The model `{model}` is an embedding model and does not support the {api} API; "
                                 "use /v1/embeddings.", param="model", code="model_not_supported")
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompts:
-        if not req.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = "system" if m.role == "developer" else m.role
-            if role not in ("system", "user", "assistant"):
-                raise APIError(400, f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)",
-                               param=f"messages.{i}.role")
-            if any((m.model_extra or {}).get(k) for k in ("tool_calls", "function_call")):
-                raise APIError(400, "tool and function calls are not supported", param=f"messages.{i}")
-            content = m.content
-            if isinstance(content, list):
-                if any(part["type"] != "text" for part in content):
-                    raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                content = "\n".join(part.get("text") or "" for part in content)
-            msg = {"role": role, "content": content or ""}
-            if m.name:
-                msg["name"] = m.name
-            messages.append(msg)
+    async def _chat_prompt(self, req: Any, tools: list[dict[str, Any]] | None = None) -> Prompts:
+        messages = chat_messages(req)
         continue_final = _default(req.continue_final_message, False)
         if continue_final and req.add_generation_prompt is True:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
@@ -117,7 +105,7 @@ class OpenAIServing:
                            param="continue_final_message")
         return await self.inputs.chat(messages, _default(req.add_generation_prompt, not continue_final),
                                       req.chat_template_kwargs, continue_final,
-                                      _default(req.add_special_tokens, False))
+                                      _default(req.add_special_tokens, False), tools)
 
     def _check_context(self, prompts: Prompts, max_tokens: int | None, explicit: bool, what: str) -> None:
         limit = self.max_model_len
@@ -190,7 +178,8 @@ class OpenAIServing:
             msg = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, msg, param=msg.split(" ", 1)[0]) from e
 
-    async def _submit(self, prompts: Prompts, params: SamplingParams, stream_text: bool) -> RequestStream:
+    async def _submit(self, prompts: Prompts, params: SamplingParams, stream_text: bool,
+                      grammar_param: str = "response_format") -> RequestStream:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
@@ -201,7 +190,7 @@ class OpenAIServing:
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", code="engine_dead") from e
         except (ValueError, TypeError) as e:  # the engine's own checks (vocabulary, cache size, a bad grammar)
-            raise APIError(400, str(e), param="response_format" if str(e).startswith("structured_outputs")
+            raise APIError(400, str(e), param=grammar_param if str(e).startswith("structured_outputs")
                            else "prompt") from e
 
     # ---- endpoints -------------------------------------------------------------------------------
@@ -259,21 +248,31 @@ class OpenAIServing:
         names = {"logprobs": "top_logprobs",
                  "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, 1, names)
-        prompts = truncated(await self._chat_prompt(req), params.truncate_prompt_tokens, self.max_model_len)
+        plan = plan_tools(req, self.tool_call_parser)
+        if plan.structured is not None:
+            params = dataclasses.replace(params, structured_outputs=plan.structured)
+        if plan.mode == "auto" and req.skip_special_tokens is None:  # tool-call markers are often special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        prompts = truncated(await self._chat_prompt(req, plan.template_tools), params.truncate_prompt_tokens,
+                            self.max_model_len)
         self._check_context(prompts, max_tokens, True, "messages")
         choices = [ChoiceState() for _ in range(params.n)]
-        stream = await self._submit(prompts, params, req.stream)
+        stream = await self._submit(prompts, params, req.stream, "tools" if plan.structured else "response_format")
         ctx = _Context(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params, prompts, choices,
                        RequestTimer(self.metrics, arrival), req.stream_options, req.top_logprobs or 0)
         if req.stream:
+            ctx.tool_deltas = [ToolDeltas(plan) for _ in choices] if plan.parses else None
             return _AbortingStreamingResponse(self._stream(stream, ctx, chat=True), stream)
         if await self._collect(stream, ctx, raw):
             return Response(status_code=499)
-        out = [ChatChoice(index=i, message=ChatResponseMessage(content=ch.full_text),
-                          logprobs=chat_logprobs(ch.token_ids, ch.logprobs, ctx.top_n)
-                          if params.logprobs is not None else None,
-                          finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
-               for i, ch in enumerate(choices)]
+        out = []
+        for i, ch in enumerate(choices):
+            content, calls, finish = (tool_reply(plan, ch.full_text, ch.finish_reason) if plan.parses
+                                      else (ch.full_text, None, ch.finish_reason))
+            out.append(ChatChoice(index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                  logprobs=chat_logprobs(ch.token_ids, ch.logprobs, ctx.top_n)
+                                  if params.logprobs is not None else None,
+                                  finish_reason=finish, stop_reason=ch.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=ctx.id, created=ctx.created, model=model, choices=out,
                                                    usage=ctx.usage()).model_dump())
 
@@ -323,8 +322,11 @@ class OpenAIServing:
                     if chat:
                         lp = chat_logprobs(ch.token_ids[-k:] if k else [], ch.logprobs[-k:] if k else [],
                                            ctx.top_n) if ctx.params.logprobs is not None else None
-                        yield _sse(ctx.chat_chunk(ChatChunkChoice(index=index, delta=DeltaMessage(content=delta),
-                                                                  logprobs=lp, finish_reason=seq.finish_reason)))
+                        content, calls, finish = (ctx.tool_deltas[index].feed(delta, seq.finish_reason)
+                                                  if ctx.tool_deltas else (delta, None, seq.finish_reason))
+                        yield _sse(ctx.chat_chunk(ChatChunkChoice(
+                            index=index, delta=DeltaMessage(content=content, tool_calls=calls), logprobs=lp,
+                            finish_reason=finish)))
                     else:
                         lp = None
                         if ctx.params.logprobs is not None:
@@ -365,6 +367,7 @@ class _Context:
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list | None] = [None] * len(prompts)
         self.hide_output = False  # echo with max_tokens 0: one token is generated for the logprobs, none shown
+        self.tool_deltas: list[ToolDeltas] | None = None  # a streamed chat request with tools: per choice
 
     def apply(self, update: GroupUpdate, streaming: bool) -> list[tuple[int, str, Any]]:
         self.cached_tokens[update.prompt_index] = update.num_cached_tokens

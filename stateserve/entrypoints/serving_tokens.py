@@ -27,6 +27,7 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: StrictBool | None = None
     add_special_tokens: StrictBool | None = None  # null: false, as chat
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: _List(dict[str, Any]) | None = None  # rendered by the template, as chat completions render them
     return_token_strs: StrictBool | None = None
 
 
@@ -68,7 +69,7 @@ class TokenServing:
         self._need_tokenizer()
         self.serving.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            _, ids = (await self.serving._chat_prompt(req))[0]
+            _, ids = (await self.serving._chat_prompt(req, req.tools))[0]
         else:
             add = req.add_special_tokens if req.add_special_tokens is not None else True
             _, ids = (await self.serving.inputs.completion(req.prompt, add))[0]

@@ -81,6 +81,21 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
+_executor: Any = None  # llguidance's thread pool for filling several rows' masks at once, made on first use
+
+
+def _fill(llt: Any, constraints: list[Constraint], bitmask: torch.Tensor) -> None:
+    """One bitmask row per constraint. Several rows are filled in parallel by llguidance's own threads (the GIL is
+    released, and the cores are idle between the forward and the sampler), as many as torch's compute threads."""
+    global _executor
+    if len(constraints) == 1:
+        llt.fill_next_token_bitmask(constraints[0].matcher, bitmask, 0)
+        return
+    if _executor is None:
+        _executor = llt.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    llt.fill_next_token_bitmask_par(_executor, [(c.matcher, j) for j, c in enumerate(constraints)], bitmask)
+
+
 def mask_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> None:
     """Rows with a constraint keep only the tokens its matcher allows (in place; columns past the tokenizer's
     vocabulary are never allowed); other rows are untouched."""
@@ -91,8 +106,7 @@ def mask_rows(logits: torch.Tensor, constraints: list[Constraint | None]) -> Non
 
     vocab = constraints[rows[0]].vocab_size
     bitmask = llt.allocate_token_bitmask(len(rows), vocab)
-    for j, i in enumerate(rows):
-        llt.fill_next_token_bitmask(constraints[i].matcher, bitmask, j)
+    _fill(llt, [constraints[i] for i in rows], bitmask)
     sub = logits[rows, :vocab].contiguous()
     llt.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
     logits[rows, :vocab] = sub
