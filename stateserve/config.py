@@ -101,6 +101,9 @@ class EngineConfig:
     # a torch.dtype is taken as its name, as vLLM does
     dtype: str | torch.dtype = _option("auto", "weights and activations; auto = the checkpoint's (float16 runs as "
                                                "float32 on CPU)", ("auto", *_DTYPES))
+    quantization: str | None = _option(None, "quantize the dense projections while loading (CPU): int8 = llama.cpp's "
+                                             "Q8_0 weights with int8 activations, int8_weight_only = Q8_0 weights "
+                                             "with float activations (exact)", ("int8", "int8_weight_only"))
     load_format: str = _option("auto", "auto and safetensors read the folder's weights; dummy draws random ones "
                                        "(benchmarks)", _LOAD_FORMATS)
     seed: int = _option(0, "seed of sampling without a per-request seed, and of dummy weights")
@@ -151,6 +154,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", name)  # frozen: normalised once, here
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             bad(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int8_weight_only"):
+            bad(f"quantization must be int8 or int8_weight_only, got {self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:
             bad(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:
@@ -214,11 +219,17 @@ class ModelConfig:
 def load_hf_config(path: str, hf_overrides: dict[str, Any] | None) -> Any:
     from transformers import AutoConfig
 
-    if not os.path.isdir(path):
-        raise ValueError(f"model {path!r} is not a folder; stateserve loads Hugging Face model folders from disk")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
+
+    if is_gguf(path):
+        cfg = GGUFCheckpoint(path).hf_config()
+    elif not os.path.isdir(path):
+        raise ValueError(f"model {path!r} is neither a folder nor a .gguf file; stateserve loads Hugging Face model "
+                         "folders and GGUF files from disk")
+    elif not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model folder {path!r} has no config.json")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     for key, value in (hf_overrides or {}).items():
         if not isinstance(key, str):
             raise ValueError(f"hf_overrides keys must be strings, got {key!r}")

@@ -73,7 +73,7 @@ def test_unknown_architecture_lists_supported(hf_and_dir, tmp_path):
 
 
 def test_not_a_folder():
-    with pytest.raises(ValueError, match="not a folder"):
+    with pytest.raises(ValueError, match="neither a folder nor a .gguf file"):
         LLM("/no/such/model", skip_tokenizer_init=True)
 
 

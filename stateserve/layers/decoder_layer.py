@@ -110,9 +110,11 @@ class DecoderLayer(nn.Module):
         those after the cache; None when a projection lacks the few-row kernel or a norm has another dtype."""
         attn, mlp = self.self_attn, self.mlp
         limit = few_row_limit((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        if not limit:  # e.g. quantized projections: they run one by one
+            return None
         dtype = attn.qkv_proj.weight.dtype
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if not limit or norm1.weight.dtype != dtype or norm2.weight.dtype != dtype:
+        if norm1.weight.dtype != dtype or norm2.weight.dtype != dtype:
             return None
         before = (norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_heads,
                   attn.num_kv_heads, attn.head_dim)

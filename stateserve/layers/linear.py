@@ -111,7 +111,7 @@ def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x @ layer.weight.T, leaving the layer's bias out (Mamba1 adds dt_proj's bias later, before the softplus),
     through FastLinear's kernels when the layer is one: PyTorch's bfloat16 path takes ~16 us for a one-row
     [48 -> 1536] product that the kernel does in ~4."""
-    if isinstance(layer, FastLinear):
+    if isinstance(layer, FastLinear) or not isinstance(layer, nn.Linear):  # FastLinear or QuantLinear
         return layer.product(x, None)
     return F.linear(x, layer.weight)
 

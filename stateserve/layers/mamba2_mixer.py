@@ -329,8 +329,10 @@ class Mamba2Mixer(StatefulLayer):
         limits, or None: no gated norm, an in_proj scale, another activation, or a projection without the few-row
         kernel."""
         limit = few_row_limit((self.in_proj, self.out_proj))
+        if not limit:
+            return None
         dtype = self.in_proj.weight.dtype
-        if not limit or self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
+        if self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
                 or self.conv1d.weight.dtype != dtype:
             return None
         taps, conv_bias = self.conv_taps()

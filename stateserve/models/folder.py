@@ -41,7 +41,16 @@ def load_tokenizer(cfg: EngineConfig) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
+    from stateserve.models.gguf_file import is_gguf
+
     path = cfg.tokenizer or cfg.model
+    if is_gguf(path):  # the file's own vocabulary, converted by transformers
+        try:
+            return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                 gguf_file=os.path.basename(path), local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"the vocabulary of {path} could not be read as a tokenizer ({e}); pass tokenizer= a "
+                             "Hugging Face folder with the model's tokenizer") from e
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer {path!r} is not a folder")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -76,7 +76,8 @@ class Mamba2ForCausalLM(ModelBase):
         return self.backbone.norm_f(residual + x)  # [T, hidden]; float32 when residual_in_fp32
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        # the model dtype, as transformers casts it (the embedding's: a quantized head has no float weight)
+        return self.lm_head(hidden.to(self.backbone.embeddings.weight.dtype))
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith("backbone.embedding."):

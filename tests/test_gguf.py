@@ -1,0 +1,162 @@
+"""GGUF files (issue 36) written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-python sdist,
+fetched from the package registry once and cached) from tiny random Llama, Mamba and Mamba2 folders: a float32
+file gives transformers' logits; a Q8_0 file keeps its linears quantized with the file's own codes and gives the
+logits of the model with those dequantized weights; the file's vocabulary works as the tokenizer."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+from stateserve import LLM
+from stateserve.models.gguf_file import GGUFCheckpoint
+from stateserve.quantization import q8_0
+from stateserve.quantization.linear import QuantLinear
+from utils import build_hf_model, engine_teacher_forced_logits, hf_logits, save_model
+
+LLAMA_CPP_PYTHON = "0.3.36"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=256, tie_word_embeddings=False)),
+    "mamba": (MambaConfig, MambaForCausalLM, dict(vocab_size=320, hidden_size=64, state_size=8, num_hidden_layers=2,
+                                                 tie_word_embeddings=False)),
+    "mamba2": (Mamba2Config, Mamba2ForCausalLM, dict(vocab_size=320, hidden_size=64, num_heads=8, head_dim=16,
+                                                    expand=2, state_size=16, n_groups=2, num_hidden_layers=2,
+                                                    conv_kernel=4, chunk_size=256, tie_word_embeddings=False)),
+}
+TOKENS = [(37 * i + 11) % 300 + 3 for i in range(20)]
+
+
+@pytest.fixture(scope="session")
+def converter() -> str:
+    """convert_hf_to_gguf.py of the pinned llama-cpp-python sdist: downloaded with pip once into the cache (CI has
+    the package registry), only the converter's own files unpacked."""
+    cache = os.path.join(os.path.expanduser(os.environ.get("STATESERVE_CACHE_DIR", "~/.cache/stateserve")),
+                         f"llama_cpp_python-{LLAMA_CPP_PYTHON}")
+    script = os.path.join(cache, "vendor", "llama.cpp", "convert_hf_to_gguf.py")
+    if os.path.isfile(script):
+        return script
+    archive = os.path.join(cache, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
+    if not os.path.isfile(archive):
+        os.makedirs(cache, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", cache, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True, timeout=900)
+    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-llama-spm.gguf",
+              "models/ggml-vocab-gpt-neox.gguf")
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
+                   and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(wanted)]
+        for m in members:
+            m.name = m.name.split("/", 1)[1]  # drop the sdist's top folder
+        tar.extractall(cache, members=members, filter="data")
+    return script
+
+
+def _convert(converter: str, folder: str, outtype: str) -> str:
+    out = f"{folder}-{outtype}.gguf"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "peers", "gguf_convert.py"), converter, folder,
+                          out, outtype], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def converted(request, converter, tmp_path_factory):
+    config_cls, model_cls, cfg = MODELS[request.param]
+    hf = build_hf_model(config_cls, model_cls, **cfg)
+    folder = save_model(hf, str(tmp_path_factory.mktemp("gguf") / request.param))
+    return request.param, hf, folder, {t: _convert(converter, folder, t) for t in ("f32", "q8_0")}
+
+
+def test_float32_file_gives_transformers_logits(converted):
+    arch, hf, _, files = converted
+    ref = hf_logits(hf, TOKENS)
+    with LLM(files["f32"], dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
+        for chunk in (len(TOKENS), 1):
+            ours = engine_teacher_forced_logits(llm, TOKENS, chunk)
+            # A is stored as -exp(A_log) in the file and taken back with log: round-off of float32
+            torch.testing.assert_close(ours, ref, atol=2e-4 * ref.abs().max(), rtol=0)
+
+
+def test_q8_0_file_stays_quantized_with_its_own_codes(converted):
+    arch, hf, folder, files = converted
+    ckpt = GGUFCheckpoint(files["q8_0"])
+    q8 = [n for n, t in ckpt.tensors.items() if t.tensor_type.name == "Q8_0" and n.startswith("blk.")]
+    assert q8 and ckpt.linear_format() == "Q8_0"
+    for name in q8:  # quantizing the file's values again gives back its codes and scales, bit for bit
+        raw = ckpt.tensors[name].data.reshape(-1, 34)
+        codes, scales = q8_0.quantize(torch.from_numpy(ckpt._array(name)))
+        assert np.array_equal(codes.numpy().reshape(-1, 32), raw[:, 2:].view(np.int8)), name
+        assert np.array_equal(scales.numpy().reshape(-1), raw[:, :2].copy().view(np.float16).reshape(-1)), name
+    # the reference: transformers' model holding the file's (dequantized) values
+    ref_model = build_hf_model(*MODELS[arch][:2], **MODELS[arch][2])
+    state = dict(ckpt.tensors_hf())
+    missing = set(ref_model.state_dict()) - set(state)
+    assert missing <= {"lm_head.weight"}, missing
+    ref_model.load_state_dict(state, strict=False)
+    ref = hf_logits(ref_model, TOKENS)
+    with LLM(files["q8_0"], dtype="float32", quantization="int8_weight_only", skip_tokenizer_init=True,
+             enable_prefix_caching=False) as llm:
+        model = llm.llm_engine.runner.model
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= len(q8) // 2
+        for chunk in (len(TOKENS), 1):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, TOKENS, chunk), ref,
+                                       atol=2e-4 * ref.abs().max(), rtol=0)
+    with LLM(files["q8_0"], skip_tokenizer_init=True) as llm:  # by default: the file's int8, in bfloat16
+        assert llm.llm_engine.runner.model_config.dtype == torch.bfloat16
+        assert any(m.quantize_activations for m in llm.llm_engine.runner.model.modules()
+                   if isinstance(m, QuantLinear))
+
+
+def test_the_files_vocabulary_is_the_tokenizer(converted):
+    arch, _, folder, files = converted
+    if arch != "llama":
+        pytest.skip("one vocabulary is enough: the converter gives every model here a list it ships (Llama: the "
+                    "SentencePiece one, whole: a vocabulary cut to a tiny model loses its byte tokens)")
+    with LLM(files["f32"], dtype="float32") as llm:
+        tok = llm.get_tokenizer()
+        ids = tok("Hello world", add_special_tokens=False).input_ids
+        assert ids and tok.decode(ids) == "Hello world"
+        out = llm.generate(["Hello world"], use_tqdm=False)
+        assert out[0].outputs[0].token_ids
+
+
+def test_unsupported_files_are_refused_clearly(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="could not be read as a GGUF file"):
+        LLM(str(bad))
+
+
+def test_cli_and_server_take_a_gguf_file(converted):
+    """`stateserve generate --model F.gguf` logs where the weights came from; `stateserve serve F.gguf` answers a
+    completion through the openai client with the file's own vocabulary."""
+    import openai
+
+    from utils import start_server
+
+    arch, _, _, files = converted
+    if arch != "llama":
+        pytest.skip("the file's vocabulary is needed for text: the Llama one")
+    env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1"}
+    run = subprocess.run([sys.executable, "-m", "stateserve.entrypoints.cli", "generate", "--model", files["q8_0"],
+                          "--prompt", "Hello", "--max-tokens", "3"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "read from GGUF (linears Q8_0); weights quantized to int8 (Q8_0)" in run.stdout + run.stderr
+    proc, url, _ = start_server(files["q8_0"], "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny", prompt="Hello world", max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4 and out.choices[0].text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
