@@ -77,27 +77,37 @@ def _safetensors_shapes(folder: str) -> dict[str, tuple[list[int], str]]:
     return shapes
 
 
+# bytes per weight of the quantized types (blocks of 32: the codes and a float16 scale), for matrices whose rows
+# are whole blocks; the rest of such a model stays bfloat16
+QUANT_BYTES = {"q8_0": 34 / 32}
+
+
 def weight_bytes_per_token(folder: str, dtype: str) -> int:
     """Bytes of weights one decode step reads in `dtype`: every tensor in full, except that an input
-    embedding table contributes one row (unless it is also the output head, i.e. tied)."""
-    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    embedding table contributes one row (unless it is also the output head, i.e. tied). A quantized type counts
+    its bytes per weight for the 2-D matrices of whole blocks, bfloat16 for the rest."""
+    float_dtype = "bfloat16" if dtype in QUANT_BYTES else dtype
+    elem = torch.empty((), dtype=DTYPES[float_dtype]).element_size()
     shapes = _safetensors_shapes(folder)
     has_head = any(n.endswith("lm_head.weight") for n in shapes)
-    total = 0
+    total = 0.0
     for name, (shape, _) in shapes.items():
         numel = 1
         for d in shape:
             numel *= d
         is_embedding = "embed" in name and len(shape) == 2
-        total += (shape[1] if is_embedding and has_head else numel) * elem
-    return total
+        per = QUANT_BYTES[dtype] if dtype in QUANT_BYTES and len(shape) == 2 and shape[1] % 32 == 0 \
+            and not (is_embedding and has_head) else elem
+        total += (shape[1] if is_embedding and has_head else numel) * per
+    return int(total)
 
 
 def decode_roofline(folder: str, dtype: str, limits: dict) -> dict:
     """Most tokens per second one request can decode: bandwidth / weight bytes read per token."""
     nbytes = weight_bytes_per_token(folder, dtype)
-    copy_bw = limits[dtype]["copy_GBps"] * 1e9
-    return {"weight_bytes_per_token": nbytes, "bandwidth_GBps": limits[dtype]["copy_GBps"],
+    float_dtype = "bfloat16" if dtype in QUANT_BYTES else dtype
+    copy_bw = limits[float_dtype]["copy_GBps"] * 1e9
+    return {"weight_bytes_per_token": nbytes, "bandwidth_GBps": limits[float_dtype]["copy_GBps"],
             "max_tok_s": copy_bw / nbytes}
 
 

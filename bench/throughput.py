@@ -35,6 +35,10 @@ RUNNERS = {"stateserve": "stateserve_runner.py", "transformers": "hf_runner.py",
            "llamacpp": "llamacpp_runner.py"}
 SHORT = {"stateserve": "ss", "transformers": "tf", "vllm": "vllm", "llamacpp": "lcpp"}
 UNSUPPORTED = {("vllm", "mamba"): "vLLM's CPU backend has no Mamba1"}
+# GGUF types (--dtypes q8_0): stateserve and llama.cpp load the same file, converted once by llama.cpp's converter;
+# stateserve computes in bfloat16 around its int8 products
+QUANT_TYPES = {"q8_0": "q8_0"}
+GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", **QUANT_TYPES}
 # Prefix caching off: a repeated timed run must recompute, not hit the cache the first run filled.
 ENGINE_KWARGS = {"stateserve": {"enable_prefix_caching": False}, "vllm": {"enable_prefix_caching": False}}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -63,7 +67,7 @@ def convert_gguf(folder: str, dtype: str, args: argparse.Namespace) -> str:
     if not args.llamacpp_convert:
         raise RuntimeError("--llamacpp-convert PATH/convert_hf_to_gguf.py is needed to make the GGUF")
     cmd = [args.convert_python, os.path.join(PEERS, "gguf_convert.py"), args.llamacpp_convert, folder,
-           out + ".part", {"float32": "f32", "bfloat16": "bf16"}[dtype]]
+           out + ".part", GGUF_OUTTYPES[dtype]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"GGUF conversion failed:\n{proc.stderr[-3000:]}")
@@ -143,6 +147,8 @@ def run_one(engine: str, kind: str, dtype: str, job: dict, args: argparse.Namesp
         engine_job = dict(job, engine_kwargs=engine_kwargs(engine, args))
         if engine == "llamacpp":
             engine_job["gguf"] = convert_gguf(job["model"], dtype, args)
+        elif dtype in QUANT_TYPES:  # stateserve reads the very file llama.cpp runs
+            engine_job.update(model=convert_gguf(job["model"], dtype, args), dtype="bfloat16")
             engine_job["llamacpp_kv_unified"] = args.llamacpp_kv_unified == "on"
         suffix = f"-round{round_index + 1}" if round_index else ""
         log_path = os.path.join(log_dir, f"{kind}-{dtype}-{engine}{suffix}.log")
@@ -189,6 +195,9 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
                "llamacpp": args.llamacpp_python}
     roof = machine_limits.decode_roofline(folder, dtype, limits)
     unsupported = {e: UNSUPPORTED[(e, kind)] for e in engines if (e, kind) in UNSUPPORTED}
+    if dtype in QUANT_TYPES:
+        unsupported.update({e: f"{dtype}: only stateserve and llama.cpp read GGUF files here" for e in engines
+                            if e not in ("stateserve", "llamacpp")})
     results: dict[str, dict] = {}
     reasons: dict[str, str | None] = dict(unsupported)
     for round_index in range(args.rounds):
@@ -286,7 +295,8 @@ def plot(rows: list[dict], engines: list[str], workloads: list[str], path: str) 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama,mamba2,mamba", help="comma-separated (bench/common.py kinds)")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, q8_0 (a GGUF "
+                   "file both stateserve and llama.cpp load)")
     p.add_argument("--workloads", default="decode,serve,prefill", help="comma-separated")
     p.add_argument("--size", default="base", choices=["base", "small"],
                    help="base: ~125M-parameter shapes; small: tiny models and workloads for a smoke run")
@@ -332,8 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name not in WORKLOADS["base"]:
             p.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS['base'])}")
     for dtype in args.dtypes:
-        if dtype not in machine_limits.DTYPES:
-            p.error(f"unknown dtype {dtype!r}; choose from {', '.join(machine_limits.DTYPES)}")
+        if dtype not in machine_limits.DTYPES and dtype not in QUANT_TYPES:
+            p.error(f"unknown dtype {dtype!r}; choose from {', '.join([*machine_limits.DTYPES, *QUANT_TYPES])}")
     if args.engines is None:
         args.engines = ["stateserve", "transformers"] + (["vllm"] if args.vllm_python else []) + \
             (["llamacpp"] if args.llamacpp_python else [])

@@ -148,3 +148,30 @@ def test_cli_flag_quantizes_and_the_load_log_says_so():
     assert bad.returncode != 0 and "int8_weight_only" in bad.stderr
     with pytest.raises(ValueError, match="quantization must be"):
         LLM(demo_model("llama-demo"), quantization="q3")
+
+
+def test_the_cpp_kernel_is_what_runs_in_decode(tmp_path):
+    """No silent fallback: where the C++ kernels are built, every quantized layer holds them, and a greedy decode
+    calls them (one, two and several rows: decodes of 1 and 3 requests, and the prefill)."""
+    from stateserve.platform import cpu_kernels
+    from stateserve import SamplingParams
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("STATESERVE_CPU_KERNELS=0 or no compiler: the PyTorch path is the only one (tested above)")
+    assert module.q8_0_supported()
+    config_cls, model_cls, cfg = MODELS["llama"]
+    path = save_model(build_hf_model(config_cls, model_cls, **cfg), str(tmp_path / "llama"))
+    with LLM(path, dtype="bfloat16", quantization="int8", skip_tokenizer_init=True) as llm:
+        layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert layers and all(m.kernel is module.q8_0_linear for m in layers)
+        rows: list[int] = []
+        for layer in layers:
+            def counting(x, *args, _kernel=layer.kernel):
+                rows.append(x.shape[0])
+                return _kernel(x, *args)
+            layer.kernel = counting
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5, 6, 7 + i]} for i in range(3)], params, use_tqdm=False)
+        assert {1, 3} <= set(rows) and max(rows) >= 9, sorted(set(rows))

@@ -81,30 +81,9 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 
 def engine_teacher_forced_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Feed `token_ids` through the real engine caches in chunks of `chunk` tokens; logits of every position."""
-    from stateserve.core.request import Request
-    from stateserve.core.batch import SchedulerOutput
-    from stateserve.core.batch import build_input_batch
-    from stateserve.sampling_params import SamplingParams
+    from stateserve.engine.teacher_forcing import teacher_forced_logits
 
-    engine = llm.llm_engine
-    runner = engine.runner
-    req = Request("tf", list(token_ids), SamplingParams(max_tokens=1), arrival_index=0)
-    rows = []
-    try:
-        with torch.inference_mode():
-            while req.num_computed_tokens < len(token_ids):
-                n = min(chunk, len(token_ids) - req.num_computed_tokens)
-                engine.cache.allocate(req, n)
-                sched = SchedulerOutput()
-                sched.add(req, n)
-                batch = build_input_batch(sched, runner.device)
-                meta = runner.model_state.prepare_meta(batch)
-                hidden = runner.model(batch.input_ids, batch.positions, meta)
-                rows.append(runner.model.compute_logits(hidden).float())
-                req.num_computed_tokens += n
-    finally:
-        engine.cache.free(req)
-    return torch.cat(rows)
+    return teacher_forced_logits(llm, token_ids, chunk)
 
 
 def assert_greedy_matches(ours: list[list[int]], ref: list[list[int]], hf_model, prompts, tol: float = 1e-4):

@@ -56,6 +56,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the instruction sets of this build: avx512_bf16, avx512, avx2 or scalar");
   m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512 or AVX2)", nogil);
   m.def("pack_linear_weight_", &pack_linear_weight_, "W [N, K] into packed_linear's panels, in place", nogil);
+  m.def("q8_0_supported", &q8_0_supported, "whether this build has the Q8_0 kernels", nogil);
+  m.def("q8_0_dot_path", &q8_0_dot_path,
+        "the int8 product of q8_0_linear's A8 mode here: avx512_vnni, avx512bw, avx2 or scalar", nogil);
+  m.def("q8_0_pack", &q8_0_pack, "Q8_0 codes int8 [N, K] and scales float16 [N, K/32] into q8_0_linear's panels",
+        py::arg("codes"), py::arg("scales"), nogil);
+  m.def("q8_0_unpack", &q8_0_unpack, "(codes, scales) of a packed Q8_0 weight", py::arg("packed"), py::arg("N"),
+        py::arg("K"), nogil);
+  m.def("q8_0_linear", &q8_0_linear,
+        "x @ W.T + bias with W packed Q8_0: int8 activations per block of 32 and integer dot products "
+        "(quantize_activations) or float activations times the dequantized weights",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
+        py::arg("quantize_activations") = true, nogil);
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether packed_linear has a kernel for a dtype and in_features", nogil);
 }

@@ -25,6 +25,15 @@
 #define SS_HAS_AVX512_BF16 0
 #endif
 
+// vpdpbusd: unsigned x signed bytes, four products added into each int32 lane (Ice Lake / Cascade Lake on, Zen 4+):
+// the int8 products of quant_a8.cpp. A build without it (STATESERVE_CPU_ISA=avx512, standing for Skylake-SP) takes
+// the AVX-512BW vpmaddubsw path instead.
+#if SS_HAS_AVX512_BW && defined(__AVX512VNNI__)
+#define SS_HAS_AVX512_VNNI 1
+#else
+#define SS_HAS_AVX512_VNNI 0
+#endif
+
 // 8-lane float32 vectors where they are the widest: AVX2 + FMA without AVX-512 (Zen 2/3, Intel client cores). An
 // AVX-512 build takes the 16-lane paths instead, so this is 0 there.
 #if !SS_HAS_AVX512 && defined(__AVX2__) && defined(__FMA__)

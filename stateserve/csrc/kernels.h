@@ -26,6 +26,14 @@ void pack_linear_weight_(torch::Tensor packed, torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                             int64_t out_features);
 
+// ---- Q8_0 weights (quant_linear.cpp; the tiles in quant_a8.cpp and quant_exact.cpp)
+bool q8_0_supported();
+std::string q8_0_dot_path();  // the build's integer product: avx512_vnni, avx512bw, avx2 or scalar
+torch::Tensor q8_0_pack(torch::Tensor codes, torch::Tensor scales);
+std::vector<torch::Tensor> q8_0_unpack(torch::Tensor packed, int64_t N, int64_t K);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
+                          int64_t K, bool quantize_activations);
+
 // ---- per-token ops (small_ops.cpp, gated_norm.cpp)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps);

@@ -24,13 +24,16 @@ _module = None
 _failed = False
 _SOURCES = ("bindings.cpp", "kv_cache_write.cpp", "paged_attention.cpp", "prefill_attention.cpp", "linear.cpp",
             "packed_linear.cpp", "ssm_update.cpp", "mamba1_update.cpp", "small_ops.cpp", "conv_update.cpp",
-            "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp", "decoder_layer.cpp")
+            "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp", "decoder_layer.cpp", "quant_linear.cpp",
+            "quant_a8.cpp", "quant_exact.cpp")
 # STATESERVE_CPU_ISA: the flags that take instruction sets away from -march=native, so that this machine builds (in
-# a folder of its own) and tests the paths of a CPU with fewer: AVX-512 without its bfloat16 instructions, AVX2
-# (Zen 3, Intel client cores), none (the portable loops). x86-64 only; csrc/isa.h names what a build has.
-ISA_FLAGS = {"native": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+# a folder of its own) and tests the paths of a CPU with fewer: AVX-512 without its bfloat16 and VNNI instructions
+# (Skylake-SP), AVX2 (Zen 3, Intel client cores), none (the portable loops). x86-64 only; csrc/isa.h names what a
+# build has.
+ISA_FLAGS = {"native": [], "avx512": ["-mno-avx512bf16", "-mno-avx512vnni"], "avx2": ["-mno-avx512f"],
+             "scalar": ["-mno-avx"]}
 # the features worth naming in the log: the instruction sets the kernels have paths for (x86-64, then Arm)
-_ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "avx2", "fma", "f16c", "asimd", "sve")
+_ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx2", "fma", "f16c", "asimd", "sve")
 
 
 def cpu_features() -> str:
