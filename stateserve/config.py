@@ -216,13 +216,13 @@ class ModelConfig:
         return self.is_attention_free or self.is_hybrid
 
 
-def load_hf_config(path: str, hf_overrides: dict[str, Any] | None) -> Any:
+def load_hf_config(path: Any, hf_overrides: dict[str, Any] | None) -> Any:
+    """config.json of a folder, or `path` as it is when it is already a config (a GGUF file's, models/folder.py),
+    with the overrides set on it."""
     from transformers import AutoConfig
 
-    from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
-
-    if is_gguf(path):
-        cfg = GGUFCheckpoint(path).hf_config()
+    if not isinstance(path, str):
+        cfg = path
     elif not os.path.isdir(path):
         raise ValueError(f"model {path!r} is neither a folder nor a .gguf file; stateserve loads Hugging Face model "
                          "folders and GGUF files from disk")

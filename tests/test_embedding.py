@@ -234,7 +234,7 @@ def test_runner_routing_and_wrong_api(tmp_path):
             llm.embed({"prompt_token_ids": [1, 2, 3]})
     with pytest.raises(ValueError, match="no pooling head"):
         _llm(llama_path, runner="pooling")
-    with pytest.raises(ValueError, match="not a folder"):
+    with pytest.raises(ValueError, match="neither a folder nor a .gguf file"):
         _llm(str(tmp_path / "missing"))
 
 

@@ -14,7 +14,9 @@ _DEFAULT_RECURRENT_MAX_LEN = 1 << 16
 
 
 def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
-    hf = load_hf_config(cfg.model, cfg.hf_overrides)
+    from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
+
+    hf = load_hf_config(GGUFCheckpoint(cfg.model).hf_config() if is_gguf(cfg.model) else cfg.model, cfg.hf_overrides)
     arch = ModelRegistry.architecture_of(hf)
     cls = ModelRegistry.resolve(arch)
     is_af, is_hybrid = cls.resolve_flags(hf)  # e.g. a hybrid family whose config may turn out all-attention
