@@ -79,7 +79,7 @@ def _safetensors_shapes(folder: str) -> dict[str, tuple[list[int], str]]:
 
 # bytes per weight of the quantized types (blocks of 32: the codes and a float16 scale), for matrices whose rows
 # are whole blocks; the rest of such a model stays bfloat16
-QUANT_BYTES = {"q8_0": 34 / 32}
+QUANT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_k_m": 144 / 256}  # Q4_K_M: its Q4_K majority
 
 
 def weight_bytes_per_token(folder: str, dtype: str) -> int:

@@ -37,8 +37,9 @@ SHORT = {"stateserve": "ss", "transformers": "tf", "vllm": "vllm", "llamacpp": "
 UNSUPPORTED = {("vllm", "mamba"): "vLLM's CPU backend has no Mamba1"}
 # GGUF types (--dtypes q8_0): stateserve and llama.cpp load the same file, converted once by llama.cpp's converter;
 # stateserve computes in bfloat16 around its int8 products
-QUANT_TYPES = {"q8_0": "q8_0"}
-GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", **QUANT_TYPES}
+# GGUF types: the converter writes Q8_0 itself; the 4-bit files are its float32 file quantized by llama.cpp
+QUANT_TYPES = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_k_m": "q4_k_m"}
+GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "q8_0": "q8_0"}
 # Prefix caching off: a repeated timed run must recompute, not hit the cache the first run filled.
 ENGINE_KWARGS = {"stateserve": {"enable_prefix_caching": False}, "vllm": {"enable_prefix_caching": False}}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -60,14 +61,19 @@ def make_workload(size: str, name: str, vocab_size: int) -> dict:
 
 
 def convert_gguf(folder: str, dtype: str, args: argparse.Namespace) -> str:
-    """GGUF next to the HF folder, converted once per dtype by llama.cpp's own converter."""
+    """GGUF next to the HF folder, made once per type by llama.cpp's own tools: convert_hf_to_gguf.py for float
+    and Q8_0 files, then llama_model_quantize (bench/peers/llamacpp_quantize.py) on the float32 file for 4-bit."""
     out = f"{folder}-{dtype}.gguf"
     if os.path.isfile(out) and os.path.getmtime(out) >= os.path.getmtime(os.path.join(folder, "config.json")):
         return out
-    if not args.llamacpp_convert:
+    if dtype not in GGUF_OUTTYPES:
+        source = convert_gguf(folder, "float32", args)
+        cmd = [args.llamacpp_python, os.path.join(PEERS, "llamacpp_quantize.py"), source, out + ".part", dtype]
+    elif not args.llamacpp_convert:
         raise RuntimeError("--llamacpp-convert PATH/convert_hf_to_gguf.py is needed to make the GGUF")
-    cmd = [args.convert_python, os.path.join(PEERS, "gguf_convert.py"), args.llamacpp_convert, folder,
-           out + ".part", GGUF_OUTTYPES[dtype]]
+    else:
+        cmd = [args.convert_python, os.path.join(PEERS, "gguf_convert.py"), args.llamacpp_convert, folder,
+               out + ".part", GGUF_OUTTYPES[dtype]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"GGUF conversion failed:\n{proc.stderr[-3000:]}")

@@ -16,6 +16,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _MAMBA_CACHE_MODES = ("none", "all", "align")
 _SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 _RUNNERS = ("auto", "generate", "pooling")
+QUANTIZATION_METHODS = ("int8", "int8_weight_only", "q4_0", "q4_0_weight_only", "q4_k", "q4_k_weight_only")
 
 
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -101,9 +102,10 @@ class EngineConfig:
     # a torch.dtype is taken as its name, as vLLM does
     dtype: str | torch.dtype = _option("auto", "weights and activations; auto = the checkpoint's (float16 runs as "
                                                "float32 on CPU)", ("auto", *_DTYPES))
-    quantization: str | None = _option(None, "quantize the dense projections while loading (CPU): int8 = llama.cpp's "
-                                             "Q8_0 weights with int8 activations, int8_weight_only = Q8_0 weights "
-                                             "with float activations (exact)", ("int8", "int8_weight_only"))
+    quantization: str | None = _option(None, "quantize the dense projections while loading (CPU), as llama.cpp's "
+                                             "Q8_0 (int8), Q4_0 or Q4_K (head at Q8_0) weights with int8 "
+                                             "activations; ..._weight_only: float activations (exact). A GGUF "
+                                             "file's quantized tensors keep their format", QUANTIZATION_METHODS)
     load_format: str = _option("auto", "auto and safetensors read the folder's weights; dummy draws random ones "
                                        "(benchmarks)", _LOAD_FORMATS)
     seed: int = _option(0, "seed of sampling without a per-request seed, and of dummy weights")
@@ -154,8 +156,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", name)  # frozen: normalised once, here
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             bad(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int8_weight_only"):
-            bad(f"quantization must be int8 or int8_weight_only, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            bad(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:
             bad(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.max_num_seqs < 1:

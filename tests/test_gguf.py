@@ -98,7 +98,7 @@ def test_q8_0_file_stays_quantized_with_its_own_codes(converted):
         assert np.array_equal(scales.numpy().reshape(-1), raw[:, :2].copy().view(np.float16).reshape(-1)), name
     # the reference: transformers' model holding the file's (dequantized) values
     ref_model = build_hf_model(*MODELS[arch][:2], **MODELS[arch][2])
-    state = dict(ckpt.tensors_hf())
+    state = {k: v if isinstance(v, torch.Tensor) else v.to_float() for k, v in ckpt.tensors_hf()}
     missing = set(ref_model.state_dict()) - set(state)
     assert missing <= {"lm_head.weight"}, missing
     ref_model.load_state_dict(state, strict=False)
@@ -151,7 +151,7 @@ def test_cli_and_server_take_a_gguf_file(converted):
                           "--prompt", "Hello", "--max-tokens", "3"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "read from GGUF (linears Q8_0); weights quantized to int8 (Q8_0)" in run.stdout + run.stderr
+    assert "read from GGUF (linears Q8_0); weights kept as stored (Q8_0, int8 activations): " in run.stdout + run.stderr
     proc, url, _ = start_server(files["q8_0"], "--served-model-name", "tiny")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -160,3 +160,81 @@ def test_cli_and_server_take_a_gguf_file(converted):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+WIDE = {  # Q4_K needs K a multiple of 256
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=256, tie_word_embeddings=False)),
+    "mamba2": (Mamba2Config, Mamba2ForCausalLM, dict(vocab_size=320, hidden_size=256, num_heads=8, head_dim=64,
+                                                    expand=2, state_size=16, n_groups=2, num_hidden_layers=2,
+                                                    conv_kernel=4, chunk_size=256, tie_word_embeddings=False)),
+}
+
+
+def _mix(name: str, shape: tuple[int, int]) -> str | None:
+    """A Q4_K_M-like mix: Q4_K mostly, Q4_0 for the MLP's down projection (and Mamba2's out_proj), Q6_K for the head
+    and for layer 0's v rows (so that one fused q/k/v projection holds two formats), the embedding at Q4_K; layer 1
+    has a Q4_1 and a Q5_0 linear."""
+    if shape[1] % 32 or not name.endswith("weight") or any(k in name for k in ("norm", "conv1d", "ssm_")) and \
+            not name.endswith(("ssm_in.weight", "ssm_out.weight")):
+        return None
+    if name == "output.weight":
+        return "Q6_K"
+    if name == "blk.0.attn_v.weight":
+        return "Q6_K"
+    if name in ("blk.1.ffn_down.weight", "blk.1.ssm_out.weight"):
+        return "Q5_0"
+    if name in ("blk.1.attn_output.weight", "blk.1.ssm_in.weight"):
+        return "Q4_1"
+    if name.endswith(("ffn_down.weight", "ssm_out.weight")):
+        return "Q4_0"
+    return "Q4_K" if shape[1] % 256 == 0 else "Q4_0"
+
+
+@pytest.mark.parametrize("arch", list(WIDE))
+def test_4_bit_files_stay_quantized(arch, converter, tmp_path):
+    """Q4_0, Q4_K and Q6_K tensors in one file (rewritten from the converter's float32 file, tests/gguf_requantize.py):
+    the linears keep Q4_0 and Q4_K as stored, a Q6_K one (no kernel here) becomes Q8_0, and the logits are those of
+    transformers' model holding the same values (the file's, dequantized; Q8_0 of them where Q6_K became Q8_0)."""
+    from gguf_requantize import requantize
+
+    from stateserve.quantization import formats
+
+    config_cls, model_cls, cfg = WIDE[arch]
+    folder = save_model(build_hf_model(config_cls, model_cls, **cfg), str(tmp_path / arch))
+    path = str(tmp_path / f"{arch}-mix.gguf")
+    requantize(_convert(converter, folder, "f32"), path, _mix)
+    ckpt = GGUFCheckpoint(path)
+    assert set(ckpt.linear_format().split(",")) == {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"} - \
+        ({"Q6_K"} if arch == "mamba2" else set())
+    state = {}
+    for (name, t), (hf_name, value) in zip(ckpt.tensors.items(), ckpt.tensors_hf()):
+        if isinstance(value, torch.Tensor):
+            state[hf_name] = value
+        elif t.tensor_type.name == "Q6_K":  # held as Q8_0 of its values
+            state[hf_name] = formats.quantize(value.to_float(), "q8_0").dequantize()
+        else:
+            state[hf_name] = value.to_float()
+    ref_model = build_hf_model(config_cls, model_cls, **cfg)
+    ref_model.load_state_dict(state, strict=False)
+    ref = hf_logits(ref_model, TOKENS)
+    with LLM(path, dtype="float32", quantization="int8_weight_only", skip_tokenizer_init=True,
+             enable_prefix_caching=False) as llm:
+        model = llm.llm_engine.runner.model
+        kinds = {n: m.fmt for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        assert kinds["lm_head"] == "q8_0"
+        if arch == "llama":
+            assert kinds["model.layers.0.self_attn.qkv_proj"] == "q4_k+q8_0"
+            assert kinds["model.layers.1.self_attn.qkv_proj"] == "q4_k"
+            assert kinds["model.layers.0.mlp.down_proj"] == "q4_0"
+            assert kinds["model.layers.1.mlp.down_proj"] == "q8_0"  # Q5_0's codes, exactly
+            assert kinds["model.layers.1.self_attn.o_proj"] == "q4_1"
+        else:
+            assert kinds["backbone.layers.0.mixer.in_proj"] == "q4_k"
+            assert kinds["backbone.layers.0.mixer.out_proj"] == "q4_0"
+            assert kinds["backbone.layers.1.mixer.in_proj"] == "q4_1"
+            assert kinds["backbone.layers.1.mixer.out_proj"] == "q8_0"
+        for chunk in (len(TOKENS), 1):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, TOKENS, chunk), ref,
+                                       atol=2e-4 * ref.abs().max(), rtol=0)

@@ -68,6 +68,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(quantize_activations) or float activations times the dequantized weights",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
         py::arg("quantize_activations") = true, nogil);
+  m.def("q4_supported", &q4_supported, "whether this build has the Q4_0 / Q4_1 / Q4_K kernels", nogil);
+  m.def("q4_pack", &q4_pack,
+        "Q4 weight fields into q4_linear's panels: format 'q4_0' | 'q4_1' | 'q4_k', codes uint8 [N, K] (0..15), "
+        "d float16 [N, K/32] (q4_k: [N, K/256]), m: q4_1's float16 [N, K/32] or q4_k's dmin [N, K/256], "
+        "sc and mn: q4_k's uint8 [N, K/32] (0..63)",
+        py::arg("format"), py::arg("codes"), py::arg("d"), py::arg("m") = py::none(), py::arg("sc") = py::none(),
+        py::arg("mn") = py::none(), nogil);
+  m.def("q4_unpack", &q4_unpack, "(format, codes, d, m, sc, mn) of a packed Q4 weight, None where the format has none",
+        py::arg("packed"), py::arg("N"), py::arg("K"), nogil);
+  m.def("q4_linear", &q4_linear,
+        "x @ W.T + bias with W packed Q4_0 / Q4_1 / Q4_K: int8 activations per block of 32 and integer dot products "
+        "(quantize_activations) or float activations times the dequantized weights",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
+        py::arg("quantize_activations") = true, nogil);
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether packed_linear has a kernel for a dtype and in_features", nogil);
 }

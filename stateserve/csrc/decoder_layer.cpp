@@ -11,7 +11,8 @@
 // stream then starts as a copy of x); residual: the stream so far, updated in place. positions: [S]; rope_table:
 // the layer's [max_pos, rotary_dim] cos|sin table covering them; k_cache, v_cache, slot_mapping, block_tables,
 // seq_lens: the attention layer's bound cache and the step's decode metadata. Weights in nn.Linear's layout:
-// qkv [q | k | v, hidden], o [hidden, heads * head_dim], gate_up [gate | up, hidden], down [hidden, intermediate].
+// qkv [q | k | v, hidden], o [hidden, heads * head_dim], gate_up [gate | up, hidden], down [hidden, intermediate],
+// each a float weight or a packed quantized one (project(): quantize_activations picks the latter's mode).
 // Returns (the MLP output [S, hidden], the stream).
 std::vector<torch::Tensor> decoder_layer_decode_(
     torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions, torch::Tensor norm1_weight,
@@ -20,9 +21,9 @@ std::vector<torch::Tensor> decoder_layer_decode_(
     torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
     double scale, torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor norm2_weight,
     double norm2_eps, torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
-    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias) {
+    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias, bool quantize_activations) {
   const int64_t S = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(qkv_weight.size(0) == q_size + 2 * kv_size && o_weight.size(1) == q_size,
+  TORCH_CHECK(projection_outputs(qkv_weight) == q_size + 2 * kv_size && projection_inputs(o_weight) == q_size,
               "decoder_layer_decode_: qkv / o weights do not match ", num_heads, " heads and ", num_kv_heads,
               " kv heads of ", head_dim);
   torch::Tensor stream, h;
@@ -33,7 +34,7 @@ std::vector<torch::Tensor> decoder_layer_decode_(
     stream = x.clone();
     h = rms_norm(x, norm1_weight, norm1_eps);
   }
-  auto qkv = fast_linear(h, qkv_weight, qkv_bias);  // [S, q | k | v]
+  auto qkv = project(h, qkv_weight, qkv_bias, quantize_activations);  // [S, q | k | v]
   auto q = qkv.narrow(1, 0, q_size).view({S, num_heads, head_dim});
   auto k = qkv.narrow(1, q_size, kv_size).view({S, num_kv_heads, head_dim});
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({S, num_kv_heads, head_dim});
@@ -41,8 +42,9 @@ std::vector<torch::Tensor> decoder_layer_decode_(
               "decoder_layer_decode_: the rotary table does not cover the positions");
   write_kv_cache(k_cache, v_cache, k.contiguous(), v.contiguous(), slot_mapping);
   auto attn = paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale);  // [S, H, D]
-  auto o = fast_linear(attn.view({S, q_size}), o_weight, o_bias);
+  auto o = project(attn.view({S, q_size}), o_weight, o_bias, quantize_activations);
   h = add_rms_norm_(stream, o, norm2_weight, norm2_eps);
-  auto mlp = fast_linear(silu_and_mul(fast_linear(h, gate_up_weight, gate_up_bias)), down_weight, down_bias);
+  auto mlp = project(silu_and_mul(project(h, gate_up_weight, gate_up_bias, quantize_activations)), down_weight,
+                     down_bias, quantize_activations);
   return {mlp, stream};
 }

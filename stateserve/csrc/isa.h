@@ -42,6 +42,14 @@
 #define SS_HAS_AVX2 0
 #endif
 
+// vcvtph2ps on 8 lanes: float16 values (the Q4 formats' scales) widened in registers. Every AVX2 + FMA CPU has it;
+// AVX-512F has its own 16-lane form, so this only matters for the AVX2 paths.
+#if defined(__F16C__)
+#define SS_HAS_F16C 1
+#else
+#define SS_HAS_F16C 0
+#endif
+
 // Some float32 vector type (stateserve_simd::F32Vec: 16 or 8 lanes); without it the portable loops run.
 #define SS_HAS_SIMD (SS_HAS_AVX512 || SS_HAS_AVX2)
 

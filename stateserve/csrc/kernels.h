@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // ---- the build (bindings.cpp)
@@ -21,6 +22,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 // ---- linears (linear.cpp: few rows on the plain weight; packed_linear.cpp: the 48-column panel copy)
 bool fast_linear_supported(c10::ScalarType dtype);
 torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+// ---- the fused decode calls' projections (projection.cpp): a float weight through fast_linear, a packed quantized
+// one (q8_0_pack / q4_pack) through its product in the mode quantize_activations names; its [N, K]
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                      bool quantize_activations);
+int64_t projection_outputs(const torch::Tensor& weight);
+int64_t projection_inputs(const torch::Tensor& weight);
 bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features);
 void pack_linear_weight_(torch::Tensor packed, torch::Tensor weight);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
@@ -33,6 +40,16 @@ torch::Tensor q8_0_pack(torch::Tensor codes, torch::Tensor scales);
 std::vector<torch::Tensor> q8_0_unpack(torch::Tensor packed, int64_t N, int64_t K);
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
                           int64_t K, bool quantize_activations);
+
+// ---- Q4_0, Q4_1, Q4_K weights (quant_q4_linear.cpp; the tiles in quant_q4_a8.cpp and quant_q4_exact.cpp)
+bool q4_supported();
+torch::Tensor q4_pack(const std::string& format, torch::Tensor codes, torch::Tensor d, c10::optional<torch::Tensor> m,
+                      c10::optional<torch::Tensor> sc, c10::optional<torch::Tensor> mn);
+std::tuple<std::string, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+           c10::optional<torch::Tensor>>
+q4_unpack(torch::Tensor packed, int64_t N, int64_t K);  // (format, codes, d, m, sc, mn), None where absent
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N, int64_t K,
+                        bool quantize_activations);
 
 // ---- per-token ops (small_ops.cpp, gated_norm.cpp)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -80,12 +97,13 @@ torch::Tensor mamba2_mixer_decode_(torch::Tensor x, torch::Tensor conv_state, to
                                    double dt_min, double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D,
                                    int64_t n_groups, torch::Tensor norm_weight, int64_t norm_group_size,
                                    double norm_eps, bool norm_before_gate, torch::Tensor out_weight,
-                                   c10::optional<torch::Tensor> out_bias);
+                                   c10::optional<torch::Tensor> out_bias, bool quantize_activations);
 torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
                              torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias, torch::Tensor taps,
                              c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
                              torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
-                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias);
+                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias,
+                             bool quantize_activations);
 std::vector<torch::Tensor> decoder_layer_decode_(
     torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions, torch::Tensor norm1_weight,
     double norm1_eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias, int64_t num_heads,
@@ -93,4 +111,4 @@ std::vector<torch::Tensor> decoder_layer_decode_(
     torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
     double scale, torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor norm2_weight,
     double norm2_eps, torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
-    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias);
+    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias, bool quantize_activations);

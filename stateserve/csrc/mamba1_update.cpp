@@ -160,23 +160,26 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
 // Mamba-base (a bfloat16 mixer step, weights in cache, 2 Zen 3 cores: 370 -> 290 us fused).
 // x: [S, H] the normed block input; conv_state [num_slots, D, K-1] (x's dtype), ssm_state [num_slots, D, N] float32,
 // both updated in place at `slots`; taps [K, D] float32 and conv_bias [D] as conv1d_update takes them; weights in
-// nn.Linear's [out, in] layout and x's dtype; dt_bias, Dskip: [D] in x's dtype; A: [D, N] float32 (-exp(A_log)).
+// nn.Linear's [out, in] layout and x's dtype, or packed quantized (project(), quantize_activations its mode); dt_bias, Dskip: [D] in x's dtype; A: [D, N] float32 (-exp(A_log)).
 // Returns out_proj's output [S, H].
 torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
                              torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias, torch::Tensor taps,
                              c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
                              torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
-                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias) {
-  const int64_t D = conv_state.size(1), N = ssm_state.size(2), R = dt_weight.size(1);
-  TORCH_CHECK(in_weight.size(0) == 2 * D && x_proj_weight.size(0) == R + 2 * N && x_proj_weight.size(1) == D &&
-                  dt_weight.size(0) == D && out_weight.size(1) == D,
+                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias,
+                             bool quantize_activations) {
+  const int64_t D = conv_state.size(1), N = ssm_state.size(2), R = projection_inputs(dt_weight);
+  TORCH_CHECK(projection_outputs(in_weight) == 2 * D && projection_outputs(x_proj_weight) == R + 2 * N &&
+                  projection_inputs(x_proj_weight) == D && projection_outputs(dt_weight) == D &&
+                  projection_inputs(out_weight) == D,
               "mamba1_decode_: weight shapes do not agree with the states (D = ", D, ", N = ", N, ", rank ", R, ")");
-  auto xz = fast_linear(x, in_weight, in_bias);  // [S, 2D]: u | z
+  const bool a8 = quantize_activations;
+  auto xz = project(x, in_weight, in_bias, a8);  // [S, 2D]: u | z
   auto u = conv1d_update(conv_state, slots, xz.narrow(1, 0, D), taps, conv_bias, /*float_accumulate=*/true,
                          ConvOutput::kSilu);       // [S, D]
-  auto dbc = fast_linear(u, x_proj_weight, {});  // [S, R + 2N]: dt (low rank) | B | C
-  auto dt_raw = fast_linear(dbc.narrow(1, 0, R), dt_weight, {});  // [S, D], before bias and softplus
+  auto dbc = project(u, x_proj_weight, {}, a8);  // [S, R + 2N]: dt (low rank) | B | C
+  auto dt_raw = project(dbc.narrow(1, 0, R).contiguous(), dt_weight, {}, a8);  // [S, D], before bias and softplus
   auto y = selective_state_update_(ssm_state, slots, u, dt_raw, dt_bias, A, dbc.narrow(1, R, N),
                                    dbc.narrow(1, R + N, N), Dskip, xz.narrow(1, D, D));
-  return fast_linear(y, out_weight, out_bias);
+  return project(y, out_weight, out_bias, a8);
 }

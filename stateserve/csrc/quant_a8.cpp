@@ -12,107 +12,16 @@
 //   avx2: the same on 8 lanes (vpsignb gives x w's sign), a panel in two halves.
 //   scalar: the loops.
 #include <torch/extension.h>
-#include <algorithm>
-#include <cmath>
 #include <cstring>
+#include "quant_lanes.h"
 #include "quant_q8_0.h"
-#include "simd.h"
 
 namespace stateserve_q8 {
 namespace {
 
-// llama.cpp's rounding of one block: d = amax / 127, id = 1 / d (0 when d is 0), code = roundf(x * id).
-inline float block_scale(float amax, float* id) {
-  const float d = amax / 127.f;
-  *id = d != 0.f ? 1.f / d : 0.f;
-  return static_cast<float>(static_cast<at::Half>(d));  // the product uses the float16 scale, as block_q8_0
-}
-
-constexpr bool kOffsetCodes = SS_HAS_AVX512_VNNI;  // x's codes stored + 128 as unsigned bytes
-
-template <typename T>
-void quantize_row(const T* x, int64_t K, uint8_t* q, float* d) {
-  const int64_t blocks = K / kBlock;
-#if SS_HAS_AVX512
-  using stateserve_simd::load16;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 v[2] = {load16(x + b * kBlock), load16(x + b * kBlock + 16)};
-    float id;
-    d[b] = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), &id);
-    for (int h = 0; h < 2; ++h) {
-      // roundf: the whole part, then one away from zero where the (exact) fraction is at least a half
-      const __m512 p = _mm512_mul_ps(v[h], _mm512_set1_ps(id));
-      __m512 r = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-      const __m512 frac = _mm512_sub_ps(p, r);
-      r = _mm512_mask_add_ps(r, _mm512_cmp_ps_mask(frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ), r, _mm512_set1_ps(1.f));
-      r = _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(frac, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), r,
-                             _mm512_set1_ps(1.f));
-      __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r));
-      if (kOffsetCodes) bytes = _mm_xor_si128(bytes, _mm_set1_epi8(static_cast<char>(0x80)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16 * h), bytes);
-    }
-  }
-#elif SS_HAS_AVX2
-  using stateserve_simd::load8;
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = load8(x + b * kBlock + 8 * i);
-      m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs_mask));
-    }
-    float id;
-    d[b] = block_scale(stateserve_simd::hmax8(m), &id);
-    __m256i n[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m256 p = _mm256_mul_ps(v[i], _mm256_set1_ps(id));
-      __m256 r = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-      const __m256 frac = _mm256_sub_ps(p, r), one = _mm256_set1_ps(1.f);
-      r = _mm256_add_ps(r, _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ), one));
-      r = _mm256_sub_ps(r, _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(-0.5f), _CMP_LE_OQ), one));
-      n[i] = _mm256_cvttps_epi32(r);
-    }
-    // int32 -> int8 (in range, no saturation): the packs interleave 128-bit lanes, the permute puts them back
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
-#else
-  for (int64_t b = 0; b < blocks; ++b) {
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(static_cast<float>(x[b * kBlock + j])));
-    float id;
-    d[b] = block_scale(amax, &id);
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int code = static_cast<int>(std::roundf(static_cast<float>(x[b * kBlock + j]) * id));
-      q[b * kBlock + j] = static_cast<uint8_t>(kOffsetCodes ? code + 128 : code);
-    }
-  }
-#endif
-}
-
 #if SS_HAS_AVX512_BW || SS_HAS_AVX2
-// The vector paths, written once over Ops: kLanes rows of a panel per vector, W what a group's vector of codes is
-// turned into once for all rows of x (dot), start the int32 sums a block begins from.
-#if SS_HAS_AVX512_BW
-struct Lanes16 {  // float32 steps on 16 lanes
-  using I = __m512i;
-  using F = __m512;
-  static constexpr int kLanes = 16;
-  static I broadcast4(const uint8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm512_set1_epi32(v);
-  }
-  static F zero() { return _mm512_setzero_ps(); }
-  static F scales(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
-  static F fma(float dx, F dw, I dot, F acc) {  // acc + (dx * dw) * dot, two roundings as ggml's vec_dot
-    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(dx), dw), _mm512_cvtepi32_ps(dot), acc);
-  }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
+// The vector paths, written once over Ops (quant_lanes.h's lanes and the product): W what a group's vector of codes
+// is turned into once for all rows of x (dot), start the int32 sums a block begins from.
 #if SS_HAS_AVX512_VNNI
 struct Vnni : Lanes16 {
   using W = __m512i;
@@ -148,10 +57,7 @@ struct Bw : Lanes16 {
 using Ops = Bw;
 constexpr TileShape kFew = {4, 2}, kMany = {4, 2};
 #else
-struct Avx2 {
-  using I = __m256i;
-  using F = __m256;
-  static constexpr int kLanes = 8;
+struct Avx2 : Lanes8 {
   struct W {
     __m256i abs, w;
   };
@@ -159,22 +65,11 @@ struct Avx2 {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm256_abs_epi8(w), w};
   }
-  static I broadcast4(const uint8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof(v));
-    return _mm256_set1_epi32(v);
-  }
   static I start(const uint8_t*) { return _mm256_setzero_si256(); }
   static I dot(I acc, const W& w, I x) {
     const __m256i pairs = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  static F zero() { return _mm256_setzero_ps(); }
-  static F scales(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
-  static F fma(float dx, F dw, I dot, F acc) {
-    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(dx), dw), _mm256_cvtepi32_ps(dot), acc);
-  }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 using Ops = Avx2;
 constexpr TileShape kFew = {4, 1}, kMany = {4, 1};
@@ -207,7 +102,7 @@ void tile(const uint8_t* q, int64_t ldq, const float* d, int64_t ldd, const uint
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const typename Ops::F dw = Ops::scales(rec[v] + kCodeBytes);
+      const typename Ops::F dw = Ops::load_f32(rec[v] + kCodeBytes);
       for (int r = 0; r < MR; ++r) acc[r][v] = Ops::fma(d[r * ldd + b], dw, dot[r][v], acc[r][v]);
     }
   }
@@ -215,16 +110,6 @@ void tile(const uint8_t* q, int64_t ldq, const float* d, int64_t ldd, const uint
     for (int v = 0; v < NV; ++v) Ops::store(c + r * kTileStride + v * L, acc[r][v]);
 }
 
-template <int MR>
-void tile_np(int np, const uint8_t* q, int64_t ldq, const float* d, int64_t ldd, const uint8_t* const* panels,
-             int64_t blocks, float* c) {
-  constexpr int kPer = kPanelRows / Ops::kLanes;
-  // the panels of the widest tile of MR rows: only the tiles the two shapes call are compiled
-  constexpr int kMaxNp = std::max(MR <= kFew.rows ? kFew.panels : 0, MR <= kMany.rows ? kMany.panels : 0);
-  if constexpr (kMaxNp >= 3) if (np == 3) return tile<MR, 3 * kPer>(q, ldq, d, ldd, panels, blocks, c);
-  if constexpr (kMaxNp >= 2) if (np == 2) return tile<MR, 2 * kPer>(q, ldq, d, ldd, panels, blocks, c);
-  tile<MR, kPer>(q, ldq, d, ldd, panels, blocks, c);
-}
 #endif
 
 }  // namespace
@@ -249,23 +134,13 @@ TileShape a8_tile_shape(int64_t M) {
 #endif
 }
 
-void a8_quantize_row(const float* x, int64_t K, uint8_t* q, float* d) { quantize_row(x, K, q, d); }
-void a8_quantize_row(const at::BFloat16* x, int64_t K, uint8_t* q, float* d) { quantize_row(x, K, q, d); }
-
 void a8_tile(int mr, int np, const uint8_t* q, int64_t ldq, const float* d, int64_t ldd,
              const uint8_t* const* panels, int64_t blocks, float* c) {
 #if SS_HAS_AVX512_BW || SS_HAS_AVX2
-  constexpr int kRows = std::max(kFew.rows, kMany.rows);
-  static_assert(kRows <= 6 && kRows <= kMaxTileRows && std::max(kFew.panels, kMany.panels) <= kMaxTilePanels,
-                "the switch below");
-  switch (std::min(mr, kRows)) {  // (the tiles of more rows than kRows are never called)
-    case 6: return tile_np<std::min(6, kRows)>(np, q, ldq, d, ldd, panels, blocks, c);
-    case 5: return tile_np<std::min(5, kRows)>(np, q, ldq, d, ldd, panels, blocks, c);
-    case 4: return tile_np<std::min(4, kRows)>(np, q, ldq, d, ldd, panels, blocks, c);
-    case 3: return tile_np<3>(np, q, ldq, d, ldd, panels, blocks, c);
-    case 2: return tile_np<2>(np, q, ldq, d, ldd, panels, blocks, c);
-    default: return tile_np<1>(np, q, ldq, d, ldd, panels, blocks, c);
-  }
+  constexpr int kPer = kPanelRows / Ops::kLanes;
+  dispatch_tile<kFew.rows, kFew.panels, kMany.rows, kMany.panels>(mr, np, [&](auto rows, auto nps) {
+    tile<decltype(rows)::value, decltype(nps)::value * kPer>(q, ldq, d, ldd, panels, blocks, c);
+  });
 #else
   // the portable loops (x's codes signed here): per output and block the integer dot product, then the float steps
   static_assert(!kOffsetCodes, "unsigned codes are for vpdpbusd");

@@ -7,50 +7,27 @@
 // Vectors of 16 lanes (AVX-512F) or 8 (AVX2: a panel's two halves one after the other); the portable loops
 // otherwise.
 #include <torch/extension.h>
-#include <algorithm>
 #include <cstring>
+#include "quant_lanes.h"
 #include "quant_q8_0.h"
-#include "simd.h"
 
 namespace stateserve_q8 {
 namespace {
 
 #if SS_HAS_AVX512
-struct Ops {
-  using I = __m512i;
-  using F = __m512;
-  static constexpr int kLanes = 16;
-  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+struct Ops : Lanes16 {
   template <int J>
   static F code(I w) {  // byte J of each lane, sign-extended, as float32
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(J == 3 ? w : _mm512_slli_epi32(w, 24 - 8 * J), 24));
   }
-  static F scales(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 constexpr TileShape kShape = {4, 1};
 #elif SS_HAS_AVX2
-struct Ops {
-  using I = __m256i;
-  using F = __m256;
-  static constexpr int kLanes = 8;
-  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+struct Ops : Lanes8 {
   template <int J>
   static F code(I w) {
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(J == 3 ? w : _mm256_slli_epi32(w, 24 - 8 * J), 24));
   }
-  static F scales(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 constexpr TileShape kShape = {2, 1};  // 16 registers: 8 chains, 4 dequantized vectors, the scales, a broadcast
 #endif
@@ -66,7 +43,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* rec0, int64_t blocks, floa
     for (int j = 0; j < 4; ++j) acc[r][j] = Ops::zero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec = rec0 + b * kRecordBytes;
-    const F scale = Ops::scales(rec + kCodeBytes);
+    const F scale = Ops::load_f32(rec + kCodeBytes);
     for (int g = 0; g < kGroups; ++g) {
       const Ops::I w = Ops::load(rec + g * kGroupBytes);
       const F wf[4] = {Ops::mul(Ops::code<0>(w), scale), Ops::mul(Ops::code<1>(w), scale),
@@ -96,17 +73,10 @@ void exact_tile(int mr, int np, const float* x, int64_t ldx, const uint8_t* cons
                 float* c) {
 #if SS_HAS_SIMD
   constexpr int L = Ops::kLanes;
-  static_assert(kShape.rows <= 4, "the switch below");
-  for (int v = 0; v < np * (kPanelRows / L); ++v) {  // one vector of rows of W after the other
-    const uint8_t* rec0 = panels[v * L / kPanelRows] + (v * L % kPanelRows) * 4;
-    float* cv = c + v * L;
-    switch (std::min(mr, kShape.rows)) {  // (the tiles of more rows than kShape.rows are never called)
-      case 4: tile<std::min(4, kShape.rows)>(x, ldx, rec0, blocks, cv); break;
-      case 3: tile<std::min(3, kShape.rows)>(x, ldx, rec0, blocks, cv); break;
-      case 2: tile<2>(x, ldx, rec0, blocks, cv); break;
-      default: tile<1>(x, ldx, rec0, blocks, cv); break;
-    }
-  }
+  dispatch_tile<kShape.rows, 1, kShape.rows, 1>(mr, 1, [&](auto rows, auto) {
+    for (int v = 0; v < np * (kPanelRows / L); ++v)  // one vector of rows of W after the other
+      tile<decltype(rows)::value>(x, ldx, panels[v * L / kPanelRows] + (v * L % kPanelRows) * 4, blocks, c + v * L);
+  });
 #else
   for (int r = 0; r < mr; ++r)
     for (int64_t col = 0; col < np * kPanelRows; ++col) {

@@ -140,23 +140,23 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
 // A whole Mamba2 mixer's decode step with its gated RMSNorm, in_proj to out_proj, for rows few enough for
 // fast_linear: in_proj, mamba2_decode_, gated_rms_norm, out_proj, as the layer runs them op by op (same kernels,
 // same roundings) without the Python and dispatch between them. x: [S, hidden] in the model dtype; in_weight
-// [gate I | xbc conv_dim | dt H, hidden], out_weight [hidden, I]; norm_weight [I] float32; the rest as
-// mamba2_decode_ takes it. Returns [S, hidden].
+// [gate I | xbc conv_dim | dt H, hidden], out_weight [hidden, I] (float or packed quantized: project()); norm_weight
+// [I] float32; the rest as mamba2_decode_ takes it. Returns [S, hidden].
 torch::Tensor mamba2_mixer_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state,
                                    torch::Tensor slots, torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias,
                                    torch::Tensor taps, c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias,
                                    double dt_min, double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D,
                                    int64_t n_groups, torch::Tensor norm_weight, int64_t norm_group_size,
                                    double norm_eps, bool norm_before_gate, torch::Tensor out_weight,
-                                   c10::optional<torch::Tensor> out_bias) {
-  const int64_t H = ssm_state.size(1), I = out_weight.size(1), conv_dim = taps.size(1);
-  TORCH_CHECK(in_weight.size(0) == I + conv_dim + H && norm_weight.numel() == I,
-              "mamba2_mixer_decode_: in_proj has ", in_weight.size(0), " outputs, expected gate ", I, " + conv ",
+                                   c10::optional<torch::Tensor> out_bias, bool quantize_activations) {
+  const int64_t H = ssm_state.size(1), I = projection_inputs(out_weight), conv_dim = taps.size(1);
+  TORCH_CHECK(projection_outputs(in_weight) == I + conv_dim + H && norm_weight.numel() == I,
+              "mamba2_mixer_decode_: in_proj has ", projection_outputs(in_weight), " outputs, expected gate ", I, " + conv ",
               conv_dim, " + heads ", H);
-  auto proj = fast_linear(x, in_weight, in_bias);  // [S, I + conv_dim + H]: gate | xbc | dt
+  auto proj = project(x, in_weight, in_bias, quantize_activations);  // [S, I + conv_dim + H]: gate | xbc | dt
   auto y = mamba2_decode_(conv_state, ssm_state, slots, proj.narrow(1, I, conv_dim), proj.narrow(1, I + conv_dim, H),
                           taps, conv_bias, dt_bias, dt_min, dt_max, A, D, n_groups);  // [S, H, P] float32
   auto normed = gated_rms_norm(y.view({y.size(0), I}), proj.narrow(1, 0, I), norm_weight, norm_group_size, norm_eps,
                                norm_before_gate);  // [S, I] in the model dtype
-  return fast_linear(normed, out_weight, out_bias);
+  return project(normed, out_weight, out_bias, quantize_activations);
 }

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from stateserve.layers.attention import Attention
-from stateserve.layers.linear import FewRowCall, few_row_limit
+from stateserve.layers.linear import FewRowCall, decode_projections
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import AttnMetadata
 from stateserve.layers.norm import RMSNorm, silu_and_mul
@@ -109,15 +109,15 @@ class DecoderLayer(nn.Module):
         """decoder_layer_decode_'s fixed arguments (made once per weight version): those before the rotary table and
         those after the cache; None when a projection lacks the few-row kernel or a norm has another dtype."""
         attn, mlp = self.self_attn, self.mlp
-        limit = few_row_limit((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        if not limit:  # e.g. quantized projections: they run one by one
+        proj = decode_projections((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        if proj is None:  # e.g. a projection of two formats: they run one by one
             return None
-        dtype = attn.qkv_proj.weight.dtype
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        dtype = proj.dtype or norm1.weight.dtype
         if norm1.weight.dtype != dtype or norm2.weight.dtype != dtype:
             return None
-        before = (norm1.weight, norm1.eps, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.num_heads,
-                  attn.num_kv_heads, attn.head_dim)
-        after = (attn.o_proj.weight, attn.o_proj.bias, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
-                 mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
-        return FewRowCall(limit, dtype, (before, after))
+        qkv, o, gate_up, down = proj.weights
+        before = (norm1.weight, norm1.eps, qkv, attn.qkv_proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        after = (o, attn.o_proj.bias, norm2.weight, norm2.eps, gate_up, mlp.gate_up_proj.bias, down,
+                 mlp.down_proj.bias, proj.quantize_activations)
+        return FewRowCall(proj.max_rows, dtype, (before, after))

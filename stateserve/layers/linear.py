@@ -91,6 +91,37 @@ def few_row_limit(layers: Sequence[nn.Module]) -> int:
     return min(layer.max_rows for layer in layers)
 
 
+QUANT_DECODE_ROWS = 4096  # a quantized product runs the same kernel at any row count: fused at every decode size
+
+
+@dataclass(frozen=True)
+class DecodeProjections:
+    """A layer's projections as a fused decode kernel takes them (csrc/projection.cpp): each one's weight in the
+    kernel's form (a FastLinear's float weight, a QuantLinear's packed one), up to how many rows, the float
+    weights' dtype (None: all quantized) and the quantized ones' activation mode."""
+    max_rows: int
+    dtype: torch.dtype | None
+    quantize_activations: bool
+    weights: tuple[torch.Tensor, ...]
+
+
+def decode_projections(layers: Sequence[nn.Module]) -> DecodeProjections | None:
+    """None when one of `layers` cannot run inside a fused decode kernel: not a FastLinear with the few-row kernel
+    nor a one-format QuantLinear with its C++ product, float weights of two dtypes, or two activation modes."""
+    from stateserve.quantization.linear import QuantLinear
+
+    floats = [layer for layer in layers if isinstance(layer, FastLinear)]
+    quantized = [layer for layer in layers if isinstance(layer, QuantLinear) and layer.kernel is not None]
+    modes = {layer.quantize_activations for layer in quantized}
+    if len(floats) + len(quantized) != len(layers) or len(modes) > 1:
+        return None
+    limit = few_row_limit(floats) if floats else QUANT_DECODE_ROWS
+    if not limit:
+        return None
+    weights = tuple(layer.packed if isinstance(layer, QuantLinear) else layer.weight for layer in layers)
+    return DecodeProjections(limit, floats[0].weight.dtype if floats else None, modes == {True}, weights)
+
+
 @dataclass(frozen=True)
 class FewRowCall:
     """What a fused kernel that runs a layer's projections through the few-row kernel takes from the layer: its

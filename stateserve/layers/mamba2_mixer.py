@@ -32,7 +32,7 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.platform import kernels
-from stateserve.layers.linear import FewRowCall, few_row_limit
+from stateserve.layers.linear import FewRowCall, decode_projections
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived_from_module, float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
@@ -328,19 +328,21 @@ class Mamba2Mixer(StatefulLayer):
         """mamba2_mixer_decode_'s fixed arguments (made once per weight version) before and after the step-size
         limits, or None: no gated norm, an in_proj scale, another activation, or a projection without the few-row
         kernel."""
-        limit = few_row_limit((self.in_proj, self.out_proj))
-        if not limit:
+        proj = decode_projections((self.in_proj, self.out_proj))
+        if proj is None:
             return None
-        dtype = self.in_proj.weight.dtype
+        dtype = proj.dtype or self.conv1d.weight.dtype
         if self.norm is None or self.in_proj_scale is not None or self.act is not F.silu \
                 or self.conv1d.weight.dtype != dtype:
             return None
         taps, conv_bias = self.conv_taps()
         norm = self.norm
-        before_limits = (self.in_proj.weight, self.in_proj.bias, taps, conv_bias, float32_copy(self, "dt_bias"))
+        in_weight, out_weight = proj.weights
+        before_limits = (in_weight, self.in_proj.bias, taps, conv_bias, float32_copy(self, "dt_bias"))
         after_limits = (self.neg_exp_A(), float32_copy(self, "D"), self.n_groups, float32_copy(norm, "weight"),
-                        norm.group_size, norm.eps, norm.norm_before_gate, self.out_proj.weight, self.out_proj.bias)
-        return FewRowCall(limit, dtype, (before_limits, after_limits))
+                        norm.group_size, norm.eps, norm.norm_before_gate, out_weight, self.out_proj.bias,
+                        proj.quantize_activations)
+        return FewRowCall(proj.max_rows, dtype, (before_limits, after_limits))
 
     def _decode_unfused(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, slots: torch.Tensor
                         ) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.platform import kernels
-from stateserve.layers.linear import FewRowCall, few_row_limit, linear_without_bias
+from stateserve.layers.linear import FewRowCall, decode_projections, linear_without_bias
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.param_cache import derived_from_module, dtype_copy
@@ -243,15 +243,16 @@ class MambaMixer(StatefulLayer):
     def _fused_decode_call(self) -> FewRowCall | None:
         """mamba1_decode_'s weight arguments (made once per weight version), or None: dt/B/C norms, or a projection
         without the few-row kernel."""
-        limit = few_row_limit((self.in_proj, self.x_proj, self.dt_proj, self.out_proj))
-        if self.bcdt_norm is not None or not limit:
+        proj = decode_projections((self.in_proj, self.x_proj, self.dt_proj, self.out_proj))
+        if self.bcdt_norm is not None or proj is None:
             return None
-        dtype = self.in_proj.weight.dtype
+        dtype = proj.dtype or self.conv1d.weight.dtype
         taps, conv_bias = self.conv_taps()
-        args = (self.in_proj.weight, self.in_proj.bias, taps, conv_bias, self.x_proj.weight, self.dt_proj.weight,
+        in_weight, x_weight, dt_weight, out_weight = proj.weights
+        args = (in_weight, self.in_proj.bias, taps, conv_bias, x_weight, dt_weight,
                 dtype_copy(self.dt_proj, "bias", dtype), self.neg_exp_A(), dtype_copy(self, "D", dtype),
-                self.out_proj.weight, self.out_proj.bias)
-        return FewRowCall(limit, dtype, args)
+                out_weight, self.out_proj.bias, proj.quantize_activations)
+        return FewRowCall(proj.max_rows, dtype, args)
 
     def _decode(self, u: torch.Tensor, z: torch.Tensor, meta: StateMetadata, seqs: list[int]) -> torch.Tensor:
         """u, z: [S', D] for the sequences `seqs` of the step; returns the gated SSM output [S', D]."""

@@ -4,20 +4,22 @@ same `map_weight_name` as a folder.
 
 What the converter (llama.cpp's convert_hf_to_gguf.py) changed is undone here: Llama's q/k rows are permuted back
 to rotate-half order, Mamba's A (stored as -exp(A_log)) becomes A_log again, squeezed conv1d weights get their
-middle axis back, Mamba2's grouped norm is flattened. Tensors come out as float32: exactly the stored values for
-every type (a Q8_0 value is an 8-bit code times a float16 scale, which float32 holds exactly), so that quantizing
-a Q8_0 file's linears again at load (models/gguf_file.py -> quantization) gives back the file's own codes.
+middle axis back, Mamba2's grouped norm is flattened. Float tensors come out as float32 (the stored values
+exactly); a block-quantized 2-D weight comes out as a GGUFTensor, which a linear layer keeps in its own format
+(quantization/formats.py) and any other parameter dequantizes.
 
-Architectures: llama, mamba, mamba2. Tensor types: whatever gguf.quants dequantizes (F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, ...); see `linear_format` for which stay quantized."""
+Architectures: llama, mamba, mamba2. Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS (quantization/ggml_types.py); a file with any other type is refused, naming it."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+
+from stateserve.quantization.formats import QuantizedWeight
 
 ARCHITECTURES = ("llama", "mamba", "mamba2")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -25,6 +27,39 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 def is_gguf(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A block-quantized 2-D weight of a GGUF file, converted when the loader knows where it goes: kept in its own
+    format by a linear layer (to_quantized), or dequantized for any other parameter (to_float)."""
+    name: str
+    raw: np.ndarray  # uint8 [N, bytes per row]
+    type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # [N, K]
+    rows: Callable[[torch.Tensor], torch.Tensor]  # undoes the converter's reordering of rows
+
+    def to_float(self) -> torch.Tensor:
+        from stateserve.quantization import ggml_types
+
+        return self.rows(ggml_types.dequantize(self.raw, self.type, self.shape))
+
+    def to_quantized(self) -> QuantizedWeight:
+        """The blocks in our formats: Q4_0, Q4_1, Q4_K as they are; Q8_0, Q5_0 and IQ4_NL exactly as int8 codes with
+        a float16 scale per 32; Q5_K, Q6_K and IQ4_XS (whose scales d * (ls - 32) float16 does not hold) quantized
+        again as Q8_0 from their values."""
+        from stateserve.quantization import formats, ggml_types
+
+        kind = self.type.name
+        if kind in ("Q4_0", "Q4_1", "Q4_K"):
+            fields = getattr(ggml_types, f"{kind.lower()}_fields")(self.raw, self.shape)
+            weight = QuantizedWeight(kind.lower(), dict(zip(formats.FIELDS[kind.lower()], fields)))
+        elif kind in ("Q8_0", "Q5_0", "IQ4_NL"):  # float16 holds their scales exactly
+            codes, scales = ggml_types.int8_fields(self.raw, self.type, self.shape)
+            weight = QuantizedWeight("q8_0", {"codes": codes, "scales": scales.half()})
+        else:
+            return formats.quantize(self.to_float(), "q8_0")
+        return weight.map_rows(self.rows)
 
 
 @dataclass
@@ -54,6 +89,10 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path}: GGUF architecture {self.arch!r} is not supported here; supported: "
                              f"{', '.join(ARCHITECTURES)}")
         self.tensors = {t.name: t for t in self._reader.tensors}
+        from stateserve.quantization import ggml_types
+
+        for t in self._reader.tensors:
+            ggml_types.check_type(t.tensor_type, f"{self.path}: tensor {t.name}")
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.arch}.{key}", default)
@@ -133,15 +172,21 @@ class GGUFCheckpoint:
         values = dequantize(t.data, t.tensor_type)
         return np.asarray(values, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
 
-    def tensors_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor) for every tensor of the file."""
+    def tensors_hf(self) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+        """(Hugging Face name, value) for every tensor of the file: a float32 tensor, or for a block-quantized 2-D
+        weight a GGUFTensor (its blocks kept as they are where the layer takes them, else dequantized)."""
         config = self.hf_config()
-        for name in self.tensors:
-            value = torch.from_numpy(self._array(name).copy())
+        for name, t in self.tensors.items():
             hf = self._hf_name(name)
             if hf is None:
                 raise ValueError(f"{self.path}: unexpected tensor {name!r} for architecture {self.arch}")
-            yield hf, self._undo_conversion(name, value, config)
+            rows = self._row_order(name, config)
+            if t.tensor_type.name not in _FLOAT_TYPES and len(t.shape) == 2 and rows is not None:
+                shape = (int(t.shape[1]), int(t.shape[0]))
+                yield hf, GGUFTensor(name, np.asarray(t.data).reshape(shape[0], -1), t.tensor_type, shape, rows)
+                continue
+            value = torch.from_numpy(self._array(name).copy())
+            yield hf, rows(value) if rows is not None else self._undo_conversion(name, value)
 
     def _hf_name(self, name: str) -> str | None:
         top = {"llama": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
@@ -171,13 +216,27 @@ class GGUFCheckpoint:
                  "ssm_out": "out_proj", "ssm_norm": "norm"}.get(kind)
         return None if local is None else f"{mixer}.{local}.{suffix}"
 
-    def _undo_conversion(self, name: str, value: torch.Tensor, config: Any) -> torch.Tensor:
+    def _row_order(self, name: str, config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What undoes the converter's change to a tensor when it only reorders rows (identity for most); None when
+        the tensor changes otherwise (_undo_conversion)."""
         kind = name.split(".")[2] if name.startswith("blk.") else ""
         if kind in ("attn_q", "attn_k") and name.endswith(".weight"):
             heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-            # the converter interleaved each head's two rotary halves: put them back in rotate-half order
-            rows = value.shape[0]
-            return value.reshape(heads, rows // heads // 2, 2, *value.shape[1:]).transpose(1, 2).reshape(value.shape)
+
+            def rotate_half_order(value: torch.Tensor) -> torch.Tensor:
+                # the converter interleaved each head's two rotary halves: put them back in rotate-half order
+                rows = value.shape[0]
+                return value.reshape(heads, rows // heads // 2, 2, *value.shape[1:]).transpose(1, 2) \
+                    .reshape(value.shape)
+            return rotate_half_order
+        if kind in ("ssm_a", "ssm_d", "ssm_conv1d", "ssm_norm"):
+            return None
+        return lambda value: value
+
+    def _undo_conversion(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The converter's other changes undone: Mamba's A stored as -exp(A_log), squeezed conv1d weights,
+        Mamba2's D and grouped norm reshaped."""
+        kind = name.split(".")[2]
         if kind == "ssm_a":
             return torch.log(-value).reshape(-1) if self.arch == "mamba2" else torch.log(-value)
         if kind == "ssm_d" and self.arch == "mamba2":

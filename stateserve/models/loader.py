@@ -5,10 +5,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from stateserve.models.base import ModelBase
@@ -42,8 +43,13 @@ def iterate_safetensors(path: str, show_progress: bool = True) -> Iterator[tuple
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: ModelBase, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: ModelBase, weights: Iterator[tuple[str, Any]],
+                 quantized: dict[tuple[str, int | None], Any] | None = None) -> None:
+    """Copies each checkpoint tensor onto its parameter. A block-quantized tensor of a GGUF file (gguf_file.GGUFTensor)
+    bound for a linear layer's weight goes into `quantized` by (parameter, shard) in its own format, for
+    quantization.quantize_model to keep (None: it is dequantized onto the parameter like the others)."""
     params = dict(model.named_parameters())
+    linear_weights = {f"{n}.weight" if n else "weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied = set(model.tied_params)
     expected: set[tuple[str, int | None]] = set()
     for name, p in params.items():
@@ -62,20 +68,34 @@ def load_weights(model: ModelBase, weights: Iterator[tuple[str, torch.Tensor]]) 
         if pname not in params:
             raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
                                   f"{type(model).__name__}")
-        dst = params[pname].data
-        if shard is not None:
-            sizes = params[pname].shard_sizes
-            start = sum(sizes[:shard])
-            dst = dst.narrow(0, start, sizes[shard])
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected "
-                                  f"{tuple(dst.shape)}")
+        if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
+            if quantized is not None and pname in linear_weights:
+                _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
+                quantized[(pname, shard)] = tensor.to_quantized()
+                loaded.add((pname, shard))
+                continue
+            tensor = tensor.to_float()
+        dst = _target(params, pname, shard)
+        _check_shape(ckpt_name, tensor.shape, dst.shape)
         dst.copy_(tensor)
         loaded.add((pname, shard))
     missing = sorted(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in expected - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint is missing tensor(s) for: {', '.join(missing[:10])}"
                               + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+def _target(params: dict[str, nn.Parameter], pname: str, shard: int | None) -> torch.Tensor:
+    dst = params[pname].data
+    if shard is not None:
+        sizes = params[pname].shard_sizes  # type: ignore[attr-defined]
+        dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+    return dst
+
+
+def _check_shape(ckpt_name: str, shape: Any, expected: Any) -> None:
+    if tuple(shape) != tuple(expected):
+        raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
 
 
 def init_dummy_weights(model: ModelBase, seed: int) -> None:
@@ -87,3 +107,28 @@ def init_dummy_weights(model: ModelBase, seed: int) -> None:
         if name in tied or p.dim() < 2:
             continue
         p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+
+
+def load_checkpoint(model: ModelBase, path: str, engine_config: Any, device: torch.device,
+                    show_progress: bool = True) -> tuple[Any, str]:
+    """Fills the model's weights from a Hugging Face folder, a GGUF file or seeded random values, then quantizes
+    its linears (engine_config.quantization; a GGUF file's quantized tensors in their own formats). Returns (the
+    quantization.QuantSummary or None, what the load log adds about the source)."""
+    from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
+    from stateserve.quantization import quantize_model
+
+    method = engine_config.quantization
+    supplied: dict[tuple[str, int | None], Any] = {}
+    source = ""
+    if engine_config.load_format == "dummy":
+        init_dummy_weights(model, engine_config.seed)
+    elif is_gguf(path):
+        gguf = GGUFCheckpoint(path)
+        load_weights(model, gguf.tensors_hf(), supplied)
+        source = f"; read from GGUF (linears {gguf.linear_format()})"
+    else:
+        load_weights(model, iterate_safetensors(path, show_progress))
+    if method is None and not supplied:
+        return None, source
+    # a GGUF file's own formats are kept with int8 activations unless a method says otherwise
+    return quantize_model(model, method or "int8", device, file_formats=method is None, supplied=supplied), source

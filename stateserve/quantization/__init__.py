@@ -1,36 +1,61 @@
-"""Load-time weight quantization (EngineConfig.quantization): the model's dense projections become QuantLinear
-layers holding llama.cpp's Q8_0 codes, right after the checkpoint is read.
+"""Quantized weights (EngineConfig.quantization, GGUF files): the model's dense projections become QuantLinear
+layers holding llama.cpp block formats (formats.py), right after the checkpoint is read.
 
-Which layers: every nn.Linear whose in_features is a multiple of the 32-value block, except MoE routers (a few
-columns that pick experts: kept exact, as llama.cpp keeps them) and a head that shares its weight with the
-embedding (quantizing it would add a copy beside the float embedding; an untied head is quantized, at 8 bits).
-Never conv1d weights, A_log, D, dt_bias, norms or recurrent state: those are not nn.Linear. MoE experts' stacked
-matrices stay in the model dtype for now."""
+Methods: "int8" (Q8_0), "q4_0", "q4_k", each with int8 activations, and their "..._weight_only" twins (float
+activations, exact). A GGUF file's quantized tensors keep their own format whatever the method (the file's Q6_K and
+Q5_K, which have no kernels here, become Q8_0); the method's format applies to the float linears of a safetensors
+checkpoint (of a GGUF file only when a method is asked for), its activation mode to every layer.
+
+Which layers: every nn.Linear whose in_features fits the format's block (Q4_K: 256, else 32; a Q4_K layer that
+does not fit becomes Q4_0), except MoE routers (a few columns that pick experts: kept exact, as llama.cpp keeps
+them) and a head that shares its weight with the embedding (quantizing it would add a copy beside the float
+embedding). An untied head gets at least 6 bits: Q8_0 under a 4-bit method. Never conv1d weights, A_log, D,
+dt_bias, norms or recurrent state: those are not nn.Linear. MoE experts' stacked matrices stay in the model dtype
+for now."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from stateserve.quantization import q8_0
+from stateserve.config import QUANTIZATION_METHODS
+from stateserve.quantization import formats
+from stateserve.quantization.formats import QuantizedWeight
 
 logger = logging.getLogger("stateserve")
-METHODS = ("int8", "int8_weight_only")
+_FORMAT_OF = {"int8": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k"}  # method -> the format of its float linears
+METHODS = QUANTIZATION_METHODS  # each of _FORMAT_OF, and its twin with float activations "..._weight_only"
 _KEEP_NAMES = ("router",)  # our MoE layers' expert pickers
+_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
 class QuantSummary:
     method: str
-    layers: int  # linears quantized
+    layers: Counter  # format -> linears quantized in it
     kept: int  # linears left in the model dtype
     weight_bytes: int  # bytes of the quantized layers' packed weights
+    file_formats: bool = False  # the layers hold a file's own blocks (the method names only the activation mode)
 
     def describe(self) -> str:
-        return f"{self.method} (Q8_0): {self.layers} linears, {self.weight_bytes / 2**30:.4f} GiB; {self.kept} kept " \
+        """What the load log says, e.g. "weights quantized to q4_k (Q4_K x4, Q8_0 x1): 5 linears, ..."."""
+        kinds = ", ".join(f"{fmt.upper()} x{n}" for fmt, n in self.layers.most_common()) if len(self.layers) > 1 \
+            else next(iter(self.layers), "none").upper()
+        if self.file_formats:
+            activations = "float" if self.method.endswith("_weight_only") else "int8"
+            what = f"weights kept as stored ({kinds}, {activations} activations)"
+        else:
+            what = f"weights quantized to {self.method} ({kinds})"
+        return f"{what}: {sum(self.layers.values())} linears, {self.weight_bytes / 2**30:.4f} GiB; {self.kept} kept " \
                "in the model dtype"
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
 
 
 def _kernels(device: torch.device) -> object | None:
@@ -41,61 +66,72 @@ def _kernels(device: torch.device) -> object | None:
     return module if supported is not None and supported() else None
 
 
-def quantize_model(model: nn.Module, method: str, device: torch.device) -> QuantSummary:
-    """Replaces the model's eligible nn.Linear layers by QuantLinear, in place."""
+def _layer_format(method_fmt: str | None, head: bool, in_features: int) -> str | None:
+    """The format a float linear gets (None: it stays float)."""
+    if method_fmt is None:
+        return None
+    fmt = "q8_0" if head else method_fmt  # the head at no less than 6 bits
+    if fmt == "q4_k" and not formats.fits(fmt, in_features):
+        fmt = "q4_0"
+    return fmt if formats.fits(fmt, in_features) else None
+
+
+def _supplied_weight(parts: dict[int | None, QuantizedWeight], sizes: list[int] | None) -> list[QuantizedWeight]:
+    """A fused projection's parts in order, neighbours of one format joined."""
+    runs: list[list[QuantizedWeight]] = []
+    for shard in [None] if not sizes else range(len(sizes)):
+        part = parts[shard]
+        if runs and runs[-1][0].fmt == part.fmt:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [formats.concat(run) for run in runs]
+
+
+def quantize_model(model: nn.Module, method: str, device: torch.device, file_formats: bool = False,
+                   supplied: dict[tuple[str, int | None], QuantizedWeight] | None = None) -> QuantSummary:
+    """Replaces the model's eligible nn.Linear layers by QuantLinear, in place. supplied: quantized weights read from
+    a file, by (parameter name, shard), which the layers keep as they are (file_formats: only those layers are
+    quantized; the float ones stay)."""
     from stateserve.quantization.linear import QuantLinear
 
-    if method not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+    check_method(method)
     if device.type != "cpu":
         raise ValueError(f"quantization={method!r} runs on CPU only; got device {device}")
     kernels = _kernels(device)
     if kernels is None:
-        logger.warning("quantization=%s without the C++ int8 kernels: the products run in PyTorch, far slower",
-                       method)
+        logger.warning("quantization=%s without the C++ kernels: the products run in PyTorch, far slower", method)
+    method_fmt = None if file_formats else _FORMAT_OF[method.removesuffix("_weight_only")]
+    activations = not method.endswith("_weight_only")
+    supplied = dict(supplied or {})
     owners: dict[int, int] = {}  # data_ptr -> how many parameters hold it (tied weights)
     for _, p in model.named_parameters(remove_duplicate=False):
         owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
-    layers = kept = size = 0
-    for parent in list(model.modules()):
+    layers: Counter = Counter()
+    kept = size = 0
+    for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            eligible = child.in_features % q8_0.BLOCK == 0 and name not in _KEEP_NAMES \
-                and owners.get(child.weight.data_ptr(), 0) == 1
-            if not eligible:
+            pname = f"{path}.{name}.weight" if path else f"{name}.weight"
+            parts = {shard: supplied.pop((p, shard)) for p, shard in list(supplied) if p == pname}
+            eligible = name not in _KEEP_NAMES and owners.get(child.weight.data_ptr(), 0) == 1
+            weight = None
+            if parts:
+                weight = _supplied_weight(parts, getattr(child.weight, "shard_sizes", None))
+                if not eligible:
+                    child.weight.data.copy_(torch.cat([w.dequantize() for w in weight]))
+                    weight = None
+            elif eligible:
+                fmt = _layer_format(method_fmt, path == "" and name == _HEAD, child.in_features)
+                weight = formats.quantize(child.weight, fmt) if fmt is not None else None
+            if weight is None:
                 kept += 1
                 continue
-            codes, scales = q8_0.quantize(child.weight)
-            layer = QuantLinear(codes, scales, child.bias, method == "int8", kernels)
+            layer = QuantLinear(weight, child.bias, activations, kernels)
             setattr(parent, name, layer)
-            layers += 1
+            layers[layer.fmt] += 1
             size += layer.weight_bytes
-    return QuantSummary(method, layers, kept, size)
-
-
-def gguf_quantization(checkpoint: object, dtype: torch.dtype) -> str | None:
-    """The load-time quantization that keeps a GGUF file's linears as they are stored: "int8" for Q8_0 (its codes
-    come back exactly), None for float files; other types are dequantized to the model dtype, which the log says."""
-    fmt = checkpoint.linear_format()  # type: ignore[attr-defined]
-    if fmt == "Q8_0":
-        return "int8"
-    if fmt != "float":
-        logger.warning("%s: linear weights of type(s) %s are dequantized to %s (kernels for them are not built yet; "
-                       "Q8_0 files stay quantized)", checkpoint.path, fmt, dtype)  # type: ignore[attr-defined]
-    return None
-
-
-def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every floating parameter and buffer to dtype, except the quantized layers' codes and scales."""
-    from stateserve.quantization.linear import QuantLinear
-
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-        if isinstance(module, QuantLinear):
-            continue
-        for name, b in list(module.named_buffers(recurse=False)):
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                setattr(module, name, b.to(dtype))
+    if supplied:
+        raise ValueError(f"quantized tensors for {sorted({p for p, _ in supplied})[:5]} have no linear layer")
+    return QuantSummary(method, layers, kept, size, file_formats)

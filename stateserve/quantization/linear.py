@@ -1,11 +1,12 @@
-"""QuantLinear: a linear layer whose weight lives only as Q8_0 codes and scales, packed once at load for the C++
-kernels (csrc/quant_linear.cpp); no float copy of the weight is kept beside them.
+"""QuantLinear: a linear layer whose weight lives only in a llama.cpp block format (formats.py: Q8_0, Q4_0, Q4_1,
+Q4_K), packed once at load for the C++ kernels (csrc/quant_linear.cpp, csrc/quant_q4*.cpp); no float copy of the
+weight is kept beside it.
 
-Two modes (EngineConfig.quantization): "int8" quantizes each row of activations per block of 32 as llama.cpp does
-(Q8_0 rounding) and multiplies with integer dot products, the fast mode; "int8_weight_only" multiplies the float
-activations by the dequantized weights (float32 accumulation), exact up to float32 round-off, for tests and users
-who want no activation rounding. Without the C++ kernels the same arithmetic runs in PyTorch (slowly; the install
-says so in the log)."""
+Two modes (EngineConfig.quantization): int8 activations (the default) quantize each row of x per block of 32 as
+llama.cpp does (Q8_0 rounding) and multiply with integer dot products, the fast mode; weight-only ("..._weight_only")
+multiplies the float activations by the weights dequantized in registers (float32 accumulation), exact up to
+float32 round-off, for tests and users who want no activation rounding. Without the C++ kernels the same arithmetic
+runs in PyTorch, dequantizing the weight at every call (slowly; the load says so in the log)."""
 from __future__ import annotations
 
 import torch
@@ -13,34 +14,61 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.quantization import q8_0
+from stateserve.quantization.formats import QuantizedWeight
+
+
+def _pack(kernels: object, weight: QuantizedWeight) -> torch.Tensor:
+    f = weight.fields
+    if weight.fmt == "q8_0":
+        return kernels.q8_0_pack(f["codes"].contiguous(), f["scales"].contiguous())  # type: ignore[attr-defined]
+    return kernels.q4_pack(weight.fmt, *(t.contiguous() for t in f.values()))  # type: ignore[attr-defined]
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T + bias with W in Q8_0. x: [..., K] float32 or bfloat16 -> y: [..., N], x's dtype."""
+    """y = x @ W.T + bias with W in a block format. x: [..., K] float32 or bfloat16 -> y: [..., N], x's dtype.
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+    W may come in parts of different formats stacked along N (a fused q/k/v projection whose v rows a GGUF file
+    stores at more bits than q and k): each part is its own product, their outputs joined."""
+
+    def __init__(self, weight: QuantizedWeight | list[QuantizedWeight], bias: torch.Tensor | None,
                  quantize_activations: bool, kernels: object | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = codes.shape
+        parts = weight if isinstance(weight, list) else [weight]
+        self.in_features = parts[0].shape[1]
+        self.part_rows = [p.shape[0] for p in parts]
+        self.out_features = sum(self.part_rows)
+        self.formats = [p.fmt for p in parts]
+        self.fmt = parts[0].fmt if len(set(self.formats)) == 1 else "+".join(self.formats)
         self.quantize_activations = quantize_activations
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.kernel = getattr(kernels, "q8_0_linear", None)  # the C++ product, None: PyTorch
-        if self.kernel is not None:
-            self.register_buffer("packed", kernels.q8_0_pack(codes.contiguous(), scales.contiguous()),
-                                 persistent=False)
+        self.kernels = [getattr(kernels, "q8_0_linear" if p.fmt == "q8_0" else "q4_linear", None) for p in parts]
+        self._fields: list[QuantizedWeight] = []
+        if all(k is not None for k in self.kernels):
+            for i, part in enumerate(parts):  # buffers, so that .to() and the memory accounting see them
+                self.register_buffer(f"packed{i if i else ''}", _pack(kernels, part), persistent=False)
         else:
-            self.register_buffer("codes", codes.contiguous(), persistent=False)
-            self.register_buffer("scales", scales.contiguous(), persistent=False)
+            self.kernels = [None] * len(parts)  # the C++ product, None: PyTorch
+            self._fields = parts
+
+    @property
+    def kernel(self) -> object | None:
+        """The C++ product of a one-part layer (None: PyTorch, or several parts)."""
+        return self.kernels[0] if len(self.kernels) == 1 else None
+
+    @kernel.setter
+    def kernel(self, fn: object) -> None:  # tests wrap it to count calls
+        self.kernels = [fn]
 
     def extra_repr(self) -> str:
-        mode = "int8" if self.quantize_activations else "int8_weight_only"
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0, {mode}, " \
-               f"kernel={'C++' if self.kernel is not None else 'PyTorch'}"
+        mode = "int8 activations" if self.quantize_activations else "weight-only"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}, {mode}, " \
+               f"kernel={'PyTorch' if self._fields else 'C++'}"
 
     @property
     def weight_bytes(self) -> int:
-        tensors = [self.packed] if self.kernel is not None else [self.codes, self.scales]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        if self._fields:
+            return sum(p.nbytes for p in self._fields)
+        return sum(b.numel() for name, b in self.named_buffers() if name.startswith("packed"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
@@ -48,13 +76,20 @@ class QuantLinear(nn.Module):
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T + bias (bias None: none); the same call as FastLinear.product."""
         if x.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"a Q8_0 linear takes float32 or bfloat16 activations, got {x.dtype}")
-        flat = x.reshape(-1, self.in_features)
-        if self.kernel is not None:
-            out = self.kernel(flat.contiguous(), self.packed, bias, self.out_features, self.in_features,
-                              self.quantize_activations)
-        else:
-            xs = q8_0.fake_quantize(flat) if self.quantize_activations else flat.float()
-            out = F.linear(xs, q8_0.dequantize(self.codes, self.scales), None if bias is None else bias.float())
-            out = out.to(x.dtype)
+            raise TypeError(f"a {self.fmt} linear takes float32 or bfloat16 activations, got {x.dtype}")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        outs, start = [], 0
+        for i, rows in enumerate(self.part_rows):
+            part_bias = None if bias is None else bias[start:start + rows]
+            outs.append(self._part(i, flat, part_bias, rows))
+            start += rows
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _part(self, i: int, flat: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if not self._fields:
+            packed = getattr(self, f"packed{i if i else ''}")
+            return self.kernels[i](flat, packed, bias, rows, self.in_features, self.quantize_activations)
+        xs = q8_0.fake_quantize(flat) if self.quantize_activations else flat.float()
+        out = F.linear(xs, self._fields[i].dequantize(), None if bias is None else bias.float())
+        return out.to(flat.dtype)

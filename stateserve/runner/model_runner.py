@@ -25,11 +25,9 @@ from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.interface import PoolingSpec
 from stateserve.layers.linear import FastLinear, install_fast_linear, prepack_fast_linear
-from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
-from stateserve.quantization import cast_unquantized, gguf_quantization, quantize_model
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
-from stateserve.models.loader import init_dummy_weights, iterate_safetensors, load_weights
+from stateserve.models.loader import load_checkpoint
 from stateserve.models.registry import ModelRegistry
 from stateserve.platform import cpu_threads, host_allocator, huge_pages
 from stateserve.platform.peak_rss import PeakRssSampler
@@ -89,26 +87,11 @@ class ModelRunner:
         cls = ModelRegistry.resolve(self.model_config.architecture)
         torch.manual_seed(self.engine_config.seed)
         dtype, path = self.model_config.dtype, self.model_config.path
-        gguf = GGUFCheckpoint(path) if is_gguf(path) else None
         with torch.device(self.device):
             model = cls(self.model_config.hf_config, dtype)
-        # a GGUF file's values are read into float32, which holds every stored value exactly, so that quantizing
-        # its Q8_0 linears again reproduces the file's codes; the rest is rounded to the model dtype after
-        model = model.to(dtype=torch.float32 if gguf is not None else dtype)
-        fmt = self.engine_config.load_format
-        if fmt == "dummy":
-            init_dummy_weights(model, self.engine_config.seed)
-        elif gguf is not None:
-            load_weights(model, gguf.tensors_hf())
-        else:
-            load_weights(model, iterate_safetensors(path, show_progress))
+        quantized, source = load_checkpoint(model.to(dtype=dtype), path, self.engine_config, self.device,
+                                            show_progress)
         self.model = model.eval().requires_grad_(False)
-        method = self.engine_config.quantization
-        if gguf is not None and method is None:
-            method = gguf_quantization(gguf, dtype)
-        quantized = quantize_model(self.model, method, self.device) if method is not None else None
-        if gguf is not None:
-            cast_unquantized(self.model, dtype)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
             huge_pages.move_parameters(self.model)
@@ -118,9 +101,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters()) + \
                 (quantized.weight_bytes if quantized is not None else 0)
-        source = f"; read from GGUF (linears {gguf.linear_format()})" if gguf is not None else ""
         logger.info("Model loading took %.4f GiB memory and %.2f seconds%s%s", used / GiB, time.perf_counter() - start,
-                    source, f"; weights quantized to {quantized.describe()}" if quantized is not None else "")
+                    source, f"; {quantized.describe()}" if quantized is not None else "")
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
         self.poll_threads()
         self.profile_activations()
