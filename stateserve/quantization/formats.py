@@ -5,7 +5,7 @@ Every field has the weight's rows first ([N, ...]), so the parts of a fused proj
 by concatenating their fields, and a permutation of rows (a GGUF file's interleaved rotary halves) applies to each
 field alike. Values, in float32 and in gguf.quants' order of operations (so dequantizing gives a GGUF file's
 values bit for bit):
-  q8_0: codes int8 [N, K] * scales [N, B] (float16 from Q8_0 and Q5_0 blocks, float32 from IQ4_XS's)
+  q8_0: codes int8 [N, K] * scales [N, B] (float16; the kernels' packing takes no other)
   q4_0: d [N, B] * (codes - 8), codes uint8 0..15
   q4_1: d [N, B] * codes + m [N, B]
   q4_k: (d [N, S] * sc [N, B]) * codes - dmin [N, S] * mn [N, B], sc and mn 6-bit, d and dmin float16
@@ -90,13 +90,9 @@ def fits(fmt: str, in_features: int) -> bool:
 
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Parts of one format stacked along rows (a fused projection's q/k/v, gate/up); float16 and float32 Q8_0
-    scales together become float32, which holds both exactly."""
+    """Parts of one format stacked along rows (a fused projection's q/k/v, gate/up)."""
     if len({p.fmt for p in parts}) != 1:
         raise ValueError(f"concat takes parts of one format, got {[p.fmt for p in parts]}")
-    if parts[0].fmt == "q8_0" and len({p.fields["scales"].dtype for p in parts}) > 1:
-        parts = [QuantizedWeight("q8_0", {"codes": p.fields["codes"], "scales": p.fields["scales"].float()})
-                 for p in parts]
     if len(parts) == 1:
         return parts[0]
     return QuantizedWeight(parts[0].fmt, {name: torch.cat([p.fields[name] for p in parts])
