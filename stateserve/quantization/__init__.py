@@ -26,8 +26,8 @@ from stateserve.quantization import formats
 from stateserve.quantization.formats import QuantizedWeight
 
 logger = logging.getLogger("stateserve")
-_FORMAT_OF = {"int8": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k"}  # method -> the format of its float linears
-METHODS = QUANTIZATION_METHODS  # each of _FORMAT_OF, and its twin with float activations "..._weight_only"
+# method -> the format of its float linears; QUANTIZATION_METHODS holds each and its "..._weight_only" twin
+_FORMAT_OF = {"int8": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k"}
 _KEEP_NAMES = ("router",)  # our MoE layers' expert pickers
 _HEAD = "lm_head"
 
@@ -51,11 +51,6 @@ class QuantSummary:
             what = f"weights quantized to {self.method} ({kinds})"
         return f"{what}: {sum(self.layers.values())} linears, {self.weight_bytes / 2**30:.4f} GiB; {self.kept} kept " \
                "in the model dtype"
-
-
-def check_method(method: str | None) -> None:
-    if method is not None and method not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
 
 
 def _kernels(device: torch.device) -> object | None:
@@ -95,7 +90,8 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
     quantized; the float ones stay)."""
     from stateserve.quantization.linear import QuantLinear
 
-    check_method(method)
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization={method!r} runs on CPU only; got device {device}")
     kernels = _kernels(device)
@@ -103,7 +99,9 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
         logger.warning("quantization=%s without the C++ kernels: the products run in PyTorch, far slower", method)
     method_fmt = None if file_formats else _FORMAT_OF[method.removesuffix("_weight_only")]
     activations = not method.endswith("_weight_only")
-    supplied = dict(supplied or {})
+    by_param: dict[str, dict[int | None, QuantizedWeight]] = {}  # parameter -> its supplied shards
+    for (pname, shard), part in (supplied or {}).items():
+        by_param.setdefault(pname, {})[shard] = part
     owners: dict[int, int] = {}  # data_ptr -> how many parameters hold it (tied weights)
     for _, p in model.named_parameters(remove_duplicate=False):
         owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
@@ -114,7 +112,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
             if not isinstance(child, nn.Linear):
                 continue
             pname = f"{path}.{name}.weight" if path else f"{name}.weight"
-            parts = {shard: supplied.pop((p, shard)) for p, shard in list(supplied) if p == pname}
+            parts = by_param.pop(pname, None)
             eligible = name not in _KEEP_NAMES and owners.get(child.weight.data_ptr(), 0) == 1
             weight = None
             if parts:
@@ -132,6 +130,6 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
             setattr(parent, name, layer)
             layers[layer.fmt] += 1
             size += layer.weight_bytes
-    if supplied:
-        raise ValueError(f"quantized tensors for {sorted({p for p, _ in supplied})[:5]} have no linear layer")
+    if by_param:
+        raise ValueError(f"quantized tensors for {sorted(by_param)[:5]} have no linear layer")
     return QuantSummary(method, layers, kept, size, file_formats)

@@ -62,10 +62,6 @@ class QuantizedWeight:
         """The same row operation (a permutation, a narrowing) applied to every field."""
         return QuantizedWeight(self.fmt, {name: fn(t) for name, t in self.fields.items()})
 
-    def to_q8_0(self) -> QuantizedWeight:
-        """Q8_0 of the dequantized values (exact for a q8_0 weight: it is returned as it is)."""
-        return self if self.fmt == "q8_0" else quantize(self.dequantize(), "q8_0")
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.fields.values())
