@@ -18,6 +18,8 @@ def _configs(size: str) -> dict:
         h, layers, vocab = 256, 4, 8192
     elif size == "30m":  # ~35M parameters: the serving benchmark's size (issue 7)
         h, layers, vocab = 384, 6, 32000
+    elif size == "1b":  # ~0.95B parameters (Llama 16 layers of 2048, Mamba2 32): issue 36's ~1B configs
+        h, layers, vocab = 2048, 16, 32000
     else:  # ~125M parameters, the shapes of issue 8
         h, layers, vocab = 768, 12, 32000
     return {

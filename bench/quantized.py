@@ -1,8 +1,9 @@
 """Quantized models, stateserve against llama.cpp on the same GGUF file: throughput (bench/throughput.py's
 workloads, engines alternating in processes of their own) and, beside each figure, the KL divergence of each
-engine's quantized logits from the float32 model's on fixed tokens.
+engine's quantized logits from the float32 model's on fixed tokens and stateserve's resident weights against the
+file's size.
 
-    .venv/bin/python bench/quantized.py [--models llama,mamba2,mamba] [--types q8_0] [--size base]
+    .venv/bin/python bench/quantized.py [--models llama,mamba2,mamba] [--types q8_0] [--size base|1b] [--skip-kl]
         [--rounds 2] [--llamacpp-python /opt/peers/llamacpp/bin/python]
         [--llamacpp-convert /opt/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py]
 
@@ -54,14 +55,24 @@ def kl_rows(kind: str, types: list[str], args: argparse.Namespace, convert_args:
         vocab = json.load(f)["vocab_size"]
     rng = random.Random(7)
     tokens = [rng.randrange(10, vocab - 10) for _ in range(KL_TOKENS)]
-    with LLM(folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
-        reference = teacher_forced_logits(llm, tokens, 512)
+    reference = None
+    if not args.skip_kl:
+        with LLM(folder, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
+            reference = teacher_forced_logits(llm, tokens, 512)
     rows = []
     for qtype in types:
         gguf = throughput.convert_gguf(folder, qtype, convert_args)
         with LLM(gguf, skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
-            ours = teacher_forced_logits(llm, tokens, 512)
-        row = {"model": kind, "type": qtype, "stateserve_kl": kl(reference, ours)}
+            resident = llm.llm_engine.runner.model_bytes
+            ours = teacher_forced_logits(llm, tokens, 512) if reference is not None else None
+        row = {"model": kind, "type": qtype, "file_gib": os.path.getsize(gguf) / 2**30,
+               "resident_gib": resident / 2**30, "resident_over_file": resident / os.path.getsize(gguf)}
+        print(f"  weights {kind} {qtype}: {row['resident_gib']:.4f} GiB resident, file {row['file_gib']:.4f} GiB "
+              f"({row['resident_over_file']:.3f}x)", flush=True)
+        if reference is None:
+            rows.append(row)
+            continue
+        row["stateserve_kl"] = kl(reference, ours)
         if args.llamacpp_python:
             with tempfile.TemporaryDirectory() as tmp:
                 tok_path, out = os.path.join(tmp, "tokens.json"), os.path.join(tmp, "logits.npy")
@@ -81,11 +92,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama,mamba2,mamba")
     p.add_argument("--types", default="q8_0", help=f"comma-separated: {', '.join(throughput.QUANT_TYPES)}")
-    p.add_argument("--size", default="base", choices=["base", "small"])
+    p.add_argument("--size", default="base", choices=["base", "1b", "small"])
+    p.add_argument("--skip-kl", action="store_true", help="no KL divergences (the resident weights still)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP if os.path.isfile(DEFAULT_LLAMACPP) else None)
     p.add_argument("--llamacpp-convert", default=DEFAULT_CONVERT)
-    p.add_argument("--skip-throughput", action="store_true", help="only the KL divergences")
+    p.add_argument("--skip-throughput", action="store_true", help="only the KL divergences and resident weights")
     args, rest = p.parse_known_args()
     types = args.types.split(",")
     engines = "stateserve" + (",llamacpp" if args.llamacpp_python else "")
@@ -98,7 +110,8 @@ def main() -> int:
     convert_args = throughput.parse_args(argv)
     rows = [row for kind in args.models.split(",") for row in kl_rows(kind, types, args, convert_args)]
     out = os.path.join(BENCH, "results", f"quantized-kl-{args.size}.json")
-    write_json(out, {"tokens": KL_TOKENS, "reference": "stateserve float32", "rows": rows})
+    write_json(out, {"tokens": KL_TOKENS, "reference": "stateserve float32", "rows": rows,
+                     "resident": "the weights' bytes stateserve's load log reports, beside the GGUF file's size"})
     print(f"wrote {out}")
     return 0
 

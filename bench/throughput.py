@@ -8,7 +8,7 @@ Each engine runs in its own process (bench/peers/*_runner.py) under a timeout; o
 (no padding, nothing past a request's max_tokens).
 
     python bench/throughput.py [--models llama,mamba2,mamba] [--dtypes float32,bfloat16]
-        [--workloads decode,serve,prefill] [--size base|small] [--vllm-python /opt/peers/vllm/bin/python]
+        [--workloads decode,serve,prefill] [--size base|1b|small] [--vllm-python /opt/peers/vllm/bin/python]
         [--llamacpp-python /opt/peers/llamacpp/bin/python --llamacpp-convert .../convert_hf_to_gguf.py]
 """
 from __future__ import annotations
@@ -47,6 +47,8 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 WORKLOADS = {
     "base": {"decode": (1, 1, (32, 32), (128, 128), "output"), "serve": (2, 64, (32, 512), (16, 256), "output"),
              "prefill": (3, 1, (4096, 4096), (1, 1), "prompt")},
+    "1b": {"decode": (1, 1, (32, 32), (128, 128), "output"), "serve": (2, 64, (32, 512), (16, 256), "output"),
+           "prefill": (3, 1, (4096, 4096), (1, 1), "prompt")},
     "small": {"decode": (1, 1, (32, 32), (32, 32), "output"), "serve": (2, 16, (32, 128), (8, 48), "output"),
               "prefill": (3, 1, (1024, 1024), (1, 1), "prompt")},
 }
@@ -304,8 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, q8_0 (a GGUF "
                    "file both stateserve and llama.cpp load)")
     p.add_argument("--workloads", default="decode,serve,prefill", help="comma-separated")
-    p.add_argument("--size", default="base", choices=["base", "small"],
-                   help="base: ~125M-parameter shapes; small: tiny models and workloads for a smoke run")
+    p.add_argument("--size", default="base", choices=["base", "1b", "small"],
+                   help="base: ~125M-parameter shapes; 1b: ~0.95B (base's workloads); small: tiny models and "
+                   "workloads for a smoke run")
     p.add_argument("--engines", default=None, help="subset of stateserve,transformers,vllm,llamacpp "
                    "(default: stateserve, transformers, and each peer whose Python is given)")
     p.add_argument("--out", default=os.path.join(BENCH, "results"), help="folder for JSON, PNG and engine logs")
@@ -367,7 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if engine not in args.engines:
             p.error(f"--round-engines {engine!r} is not among --engines ({','.join(args.engines)})")
     if args.timeout is None:
-        args.timeout = 2400.0 if args.size == "base" else 600.0
+        args.timeout = {"base": 2400.0, "1b": 3600.0}.get(args.size, 600.0)
     return args
 
 

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForC
 from stateserve import LLM
 from stateserve.models.gguf_file import GGUFCheckpoint
 from stateserve.quantization import q8_0
+from stateserve.quantization.embedding import QuantEmbedding
 from stateserve.quantization.linear import QuantLinear
 from utils import build_hf_model, engine_teacher_forced_logits, hf_logits, save_model
 
@@ -107,6 +108,7 @@ def test_q8_0_file_stays_quantized_with_its_own_codes(converted):
              enable_prefix_caching=False) as llm:
         model = llm.llm_engine.runner.model
         assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= len(q8) // 2
+        assert [m.fmt for m in model.modules() if isinstance(m, QuantEmbedding)] == ["q8_0"]  # the file's blocks
         for chunk in (len(TOKENS), 1):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, TOKENS, chunk), ref,
                                        atol=2e-4 * ref.abs().max(), rtol=0)
@@ -235,6 +237,29 @@ def test_4_bit_files_stay_quantized(arch, converter, tmp_path):
             assert kinds["backbone.layers.0.mixer.out_proj"] == "q4_0"
             assert kinds["backbone.layers.1.mixer.in_proj"] == "q4_1"
             assert kinds["backbone.layers.1.mixer.out_proj"] == "q8_0"
+        embedding = model.model.embed_tokens if arch == "llama" else model.backbone.embeddings
+        assert isinstance(embedding, QuantEmbedding) and embedding.fmt == "q4_k"  # as stored, no bfloat16 copy
         for chunk in (len(TOKENS), 1):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, TOKENS, chunk), ref,
                                        atol=2e-4 * ref.abs().max(), rtol=0)
+
+
+def test_a_tied_embedding_serves_as_the_head(converter, tmp_path):
+    """A tied model's file has no output tensor: its Q8_0 token_embd is both the embedding and the head, held once
+    (dequantized, as the shared matrix), and the logits are transformers' on the file's values."""
+    config_cls, model_cls, cfg = MODELS["mamba2"]
+    folder = save_model(build_hf_model(config_cls, model_cls, **{**cfg, "tie_word_embeddings": True}),
+                        str(tmp_path / "tied"))
+    path = _convert(converter, folder, "q8_0")
+    ckpt = GGUFCheckpoint(path)
+    assert "output.weight" not in ckpt.tensors and ckpt.tensors["token_embd.weight"].tensor_type.name == "Q8_0"
+    ref_model = build_hf_model(config_cls, model_cls, **{**cfg, "tie_word_embeddings": True})
+    ref_model.load_state_dict({k: v if isinstance(v, torch.Tensor) else v.to_float()
+                               for k, v in ckpt.tensors_hf()}, strict=False)
+    ref = hf_logits(ref_model, TOKENS)
+    with LLM(path, dtype="float32", quantization="int8_weight_only", skip_tokenizer_init=True,
+             enable_prefix_caching=False) as llm:
+        model = llm.llm_engine.runner.model
+        assert model.lm_head.weight is model.backbone.embeddings.weight
+        torch.testing.assert_close(engine_teacher_forced_logits(llm, TOKENS, len(TOKENS)), ref,
+                                   atol=2e-4 * ref.abs().max(), rtol=0)

@@ -51,6 +51,30 @@ _SHARED_FUSED = {"input_linear.weight": "shared_expert.gate_up_proj.weight",
                  "output_linear.weight": "shared_expert.down_proj.weight"}
 
 
+class ExpertMatrices:
+    """What the MoE layers share about their stacked expert matrices: `expert_matrices()` names each as a
+    [E, N, K] view, and quantization (quantization/__init__.py) may replace them by one product module per expert
+    (a QuantLinear each: the float matrix is freed); `expert_linear` is x @ W_e.T either way. A layer calls
+    `init_expert_products()` in its __init__."""
+
+    def init_expert_products(self) -> None:
+        self.expert_products: nn.ModuleDict | None = None
+
+    def expert_matrices(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def replace_expert_matrices(self, products: dict[str, list[nn.Module]]) -> None:
+        self.expert_products = nn.ModuleDict({name: nn.ModuleList(mods) for name, mods in products.items()})
+        for name in products:
+            delattr(self, name)
+
+    def expert_linear(self, name: str, e: int, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [n, K] @ W_e.T -> [n, N]; matrices: expert_matrices() (empty once the products replaced them)."""
+        if self.expert_products is not None:
+            return self.expert_products[name][e](x)
+        return F.linear(x, matrices[name][e])
+
+
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
@@ -73,7 +97,7 @@ class GatedMLPExpert(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(nn.Module, ExpertMatrices):
     """Top-k routed experts over the flat tokens of a step: forward(x [T, H]) -> [T, H].
 
     router_mode "softmax_topk": softmax over all experts, keep the top k (renormalised when norm_topk_prob);
@@ -103,6 +127,7 @@ class SparseMoE(nn.Module):
         else:
             self.experts_gate_up = stacked(nn.Parameter(torch.empty(E * 2 * I, H)), [I] * (2 * E))
             self.experts_down = stacked(nn.Parameter(torch.empty(E * H, I)), [H] * E)
+        self.init_expert_products()
         self.shared_expert = (GatedMLPExpert(H, shared_intermediate_size, activation, checkpoint_format == "fused")
                               if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(H, 1, bias=False) if shared_expert_gate and self.shared_expert else None
@@ -140,6 +165,11 @@ class SparseMoE(nn.Module):
             return _FUSED[name], None
         return None
 
+    def expert_matrices(self) -> dict[str, torch.Tensor]:
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        return {"experts_gate_up": self.experts_gate_up.view(E, 2 * I, H),
+                "experts_down": self.experts_down.view(E, H, I)}
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
         logits = self.router(x)  # [T, E]
@@ -165,9 +195,8 @@ class SparseMoE(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)  # [T, k]
-        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
-        gate_up = self.experts_gate_up.view(E, 2 * I, H)
-        down = self.experts_down.view(E, H, I)
+        E, H = self.num_experts, self.hidden_size
+        matrices = self.expert_matrices() if self.expert_products is None else {}
         flat_ids = ids.flatten()  # [T*k]: assignment a belongs to token a // k
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k
@@ -180,8 +209,8 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             rows = grouped[start:start + n]
-            g, u = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            expert_out[start:start + n] = F.linear(self.act(g) * u, down[e])
+            g, u = self.expert_linear("experts_gate_up", e, rows, matrices).chunk(2, dim=-1)
+            expert_out[start:start + n] = self.expert_linear("experts_down", e, self.act(g) * u, matrices)
             start += n
         # back to assignment order ([T, k] rows) and a weighted sum over each token's k experts; a gather
         # rather than index_add_ keeps the sum deterministic (and index_add_ is slow on CPU)

@@ -46,11 +46,13 @@ def iterate_safetensors(path: str, show_progress: bool = True) -> Iterator[tuple
 def load_weights(model: ModelBase, weights: Iterator[tuple[str, Any]],
                  quantized: dict[tuple[str, int | None], Any] | None = None) -> None:
     """Copies each checkpoint tensor onto its parameter. A block-quantized tensor of a GGUF file (gguf_file.GGUFTensor)
-    bound for a linear layer's weight goes into `quantized` by (parameter, shard) in its own format, for
-    quantization.quantize_model to keep (None: it is dequantized onto the parameter like the others)."""
+    bound for a linear layer's or an untied embedding's weight goes into `quantized` by (parameter, shard) in its own
+    format, for quantization.quantize_model to keep (None: it is dequantized onto the parameter like the others)."""
     params = dict(model.named_parameters())
-    linear_weights = {f"{n}.weight" if n else "weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied = set(model.tied_params)
+    # what keeps a file's blocks: linears, and embeddings whose matrix no head shares
+    kept_blocks = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+                   if isinstance(m, nn.Linear) or isinstance(m, nn.Embedding)} - set(model.tied_params.values())
     expected: set[tuple[str, int | None]] = set()
     for name, p in params.items():
         if name in tied:
@@ -69,7 +71,7 @@ def load_weights(model: ModelBase, weights: Iterator[tuple[str, Any]],
             raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
                                   f"{type(model).__name__}")
         if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
-            if quantized is not None and pname in linear_weights:
+            if quantized is not None and pname in kept_blocks:
                 _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
                 quantized[(pname, shard)] = tensor.to_quantized()
                 loaded.add((pname, shard))

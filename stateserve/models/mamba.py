@@ -81,11 +81,12 @@ class MambaForCausalLM(ModelBase):
         for layer in self.backbone.layers:
             x, residual = layer(x, residual, meta.state)
         # transformers normalises the (possibly float32) stream, then casts to the head's dtype
-        return self.backbone.norm_f(residual + x).to(self.backbone.embeddings.weight.dtype)  # the model dtype
+        return self.backbone.norm_f(residual + x).to(self.backbone.norm_f.weight.dtype)  # the model dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # the model dtype, as transformers casts it (the embedding's: a quantized head has no float weight)
-        return self.lm_head(hidden.to(self.backbone.embeddings.weight.dtype))
+        # the model dtype, as transformers casts it (the final norm's: a quantized head or embedding has no
+        # float weight)
+        return self.lm_head(hidden.to(self.backbone.norm_f.weight.dtype))
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         # old Mamba checkpoints call the embedding "embedding"; transformers renames it on load

@@ -76,8 +76,9 @@ class Mamba2ForCausalLM(ModelBase):
         return self.backbone.norm_f(residual + x)  # [T, hidden]; float32 when residual_in_fp32
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # the model dtype, as transformers casts it (the embedding's: a quantized head has no float weight)
-        return self.lm_head(hidden.to(self.backbone.embeddings.weight.dtype))
+        # the model dtype, as transformers casts it (the final norm's: a quantized head or embedding has no
+        # float weight)
+        return self.lm_head(hidden.to(self.backbone.norm_f.weight.dtype))
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith("backbone.embedding."):

@@ -24,6 +24,7 @@ from torch import nn
 
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.markers import stacked
+from stateserve.layers.moe import ExpertMatrices
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.layers.qkv_attention import QKV_SHARDS, QKVAttention
 from stateserve.models.base import ModelBase
@@ -147,7 +148,7 @@ class NemotronHRouter(nn.Module):
         return weights * self.scale, ids
 
 
-class NemotronHMoE(nn.Module):
+class NemotronHMoE(nn.Module, ExpertMatrices):
     """Routed non-gated experts (tokens grouped by expert: one matmul pair per expert hit) + a shared MLP."""
 
     def __init__(self, cfg: Any) -> None:
@@ -161,11 +162,16 @@ class NemotronHMoE(nn.Module):
         # per-expert checkpoint matrices stacked on dim 0: experts.N.up_proj [I, D], experts.N.down_proj [D, I]
         self.experts_up = stacked(nn.Parameter(torch.empty(E * I, D)), [I] * E)
         self.experts_down = stacked(nn.Parameter(torch.empty(E * D, I)), [D] * E)
+        self.init_expert_products()
         self.shared_experts = NemotronHMLP(H, cfg.moe_shared_expert_intermediate_size, cfg.mlp_hidden_act,
                                            bool(cfg.mlp_bias))
         bias = bool(cfg.mlp_bias)
         self.fc1_latent_proj = nn.Linear(H, latent, bias=bias) if latent else nn.Identity()
         self.fc2_latent_proj = nn.Linear(latent, H, bias=bias) if latent else nn.Identity()
+
+    def expert_matrices(self) -> dict[str, torch.Tensor]:
+        E, I, D = self.num_experts, self.intermediate, self.expert_dim
+        return {"experts_up": self.experts_up.view(E, I, D), "experts_down": self.experts_down.view(E, D, I)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -178,8 +184,8 @@ class NemotronHMoE(nn.Module):
 
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # h: [T, D]; the weighted sum is taken in float32 (transformers accumulates in the weights' dtype)
-        E, I, D, k = self.num_experts, self.intermediate, self.expert_dim, ids.shape[1]
-        up, down = self.experts_up.view(E, I, D), self.experts_down.view(E, D, I)
+        E, D, k = self.num_experts, self.expert_dim, ids.shape[1]
+        matrices = self.expert_matrices() if self.expert_products is None else {}
         flat = ids.flatten()  # [T*k]: assignment a belongs to token a // k
         order = flat.argsort(stable=True)
         grouped = h[order // k]
@@ -187,7 +193,8 @@ class NemotronHMoE(nn.Module):
         start = 0
         for e, n in enumerate(torch.bincount(flat, minlength=E).tolist()):  # one host sync for group sizes
             if n:
-                out[start:start + n] = F.linear(self.act(F.linear(grouped[start:start + n], up[e])), down[e])
+                up = self.expert_linear("experts_up", e, grouped[start:start + n], matrices)
+                out[start:start + n] = self.expert_linear("experts_down", e, self.act(up), matrices)
                 start += n
         per_assignment = torch.empty_like(out)
         per_assignment[order] = out

@@ -9,19 +9,21 @@ checkpoint (of a GGUF file only when a method is asked for), its activation mode
 Which layers: every nn.Linear whose in_features fits the format's block (Q4_K: 256, else 32; a Q4_K layer that
 does not fit becomes Q4_0), except MoE routers (a few columns that pick experts: kept exact, as llama.cpp keeps
 them) and a head that shares its weight with the embedding (quantizing it would add a copy beside the float
-embedding). An untied head gets at least 6 bits: Q8_0 under a 4-bit method. Never conv1d weights, A_log, D,
-dt_bias, norms or recurrent state: those are not nn.Linear. MoE experts' stacked matrices stay in the model dtype
-for now."""
+embedding). A GGUF file's untied embedding keeps its blocks too (embedding.py: rows dequantized on lookup). An untied head gets at least 6 bits: Q8_0 under a 4-bit method. Never conv1d weights, A_log, D,
+dt_bias, norms or recurrent state: those are not nn.Linear. MoE experts' stacked matrices (layers/moe.py
+ExpertMatrices) become one QuantLinear per expert and matrix under a method (a GGUF file's experts are
+dequantized to the model dtype for now)."""
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from stateserve.config import QUANTIZATION_METHODS
+from stateserve.layers.moe import ExpertMatrices
 from stateserve.quantization import formats
 from stateserve.quantization.formats import QuantizedWeight
 
@@ -37,8 +39,9 @@ class QuantSummary:
     method: str
     layers: Counter  # format -> linears quantized in it
     kept: int  # linears left in the model dtype
-    weight_bytes: int  # bytes of the quantized layers' packed weights
+    weight_bytes: int  # bytes of the quantized layers' packed weights and of the quantized embeddings
     file_formats: bool = False  # the layers hold a file's own blocks (the method names only the activation mode)
+    embeddings: Counter = field(default_factory=Counter)  # format -> embeddings kept in it (GGUF files)
 
     def describe(self) -> str:
         """What the load log says, e.g. "weights quantized to q4_k (Q4_K x4, Q8_0 x1): 5 linears, ..."."""
@@ -49,8 +52,9 @@ class QuantSummary:
             what = f"weights kept as stored ({kinds}, {activations} activations)"
         else:
             what = f"weights quantized to {self.method} ({kinds})"
-        return f"{what}: {sum(self.layers.values())} linears, {self.weight_bytes / 2**30:.4f} GiB; {self.kept} kept " \
-               "in the model dtype"
+        embeddings = "".join(f", embedding {fmt.upper()}" for fmt in self.embeddings)
+        return f"{what}: {sum(self.layers.values())} linears{embeddings}, {self.weight_bytes / 2**30:.4f} GiB; " \
+               f"{self.kept} linears kept in the model dtype"
 
 
 def _kernels(device: torch.device) -> object | None:
@@ -83,11 +87,31 @@ def _supplied_weight(parts: dict[int | None, QuantizedWeight], sizes: list[int] 
     return [formats.concat(run) for run in runs]
 
 
+def _quantize_experts(module: ExpertMatrices, method_fmt: str, activations: bool,
+                      kernels: object | None) -> tuple[Counter, int]:
+    """A MoE layer's stacked expert matrices as one QuantLinear per expert and matrix (a matrix whose K fits no
+    format stays float)."""
+    from stateserve.quantization.linear import QuantLinear
+
+    products, counts, nbytes = {}, Counter(), 0
+    for name, matrices in module.expert_matrices().items():  # [E, N, K]
+        fmt = _layer_format(method_fmt, False, matrices.shape[-1])
+        if fmt is None:
+            continue
+        products[name] = [QuantLinear(formats.quantize(w, fmt), None, activations, kernels) for w in matrices]
+        counts[fmt] += len(products[name])
+        nbytes += sum(p.weight_bytes for p in products[name])
+    if products:
+        module.replace_expert_matrices(products)
+    return counts, nbytes
+
+
 def quantize_model(model: nn.Module, method: str, device: torch.device, file_formats: bool = False,
                    supplied: dict[tuple[str, int | None], QuantizedWeight] | None = None) -> QuantSummary:
     """Replaces the model's eligible nn.Linear layers by QuantLinear, in place. supplied: quantized weights read from
     a file, by (parameter name, shard), which the layers keep as they are (file_formats: only those layers are
     quantized; the float ones stay)."""
+    from stateserve.quantization.embedding import QuantEmbedding
     from stateserve.quantization.linear import QuantLinear
 
     if method not in QUANTIZATION_METHODS:
@@ -107,11 +131,18 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
         owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
     layers: Counter = Counter()
     kept = size = 0
+    embeddings: Counter = Counter()
     for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            pname = f"{path}.{name}.weight" if path else f"{name}.weight"
+            if isinstance(child, nn.Embedding) and pname in by_param:  # a GGUF file's embedding, as stored
+                embedding = QuantEmbedding(by_param.pop(pname)[None], child.weight.dtype)
+                setattr(parent, name, embedding)
+                embeddings[embedding.fmt] += 1
+                size += embedding.weight_bytes
+                continue
             if not isinstance(child, nn.Linear):
                 continue
-            pname = f"{path}.{name}.weight" if path else f"{name}.weight"
             parts = by_param.pop(pname, None)
             eligible = name not in _KEEP_NAMES and owners.get(child.weight.data_ptr(), 0) == 1
             weight = None
@@ -130,6 +161,12 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
             setattr(parent, name, layer)
             layers[layer.fmt] += 1
             size += layer.weight_bytes
+    if method_fmt is not None:
+        for module in model.modules():
+            if isinstance(module, ExpertMatrices) and module.expert_products is None:
+                quantized, nbytes = _quantize_experts(module, method_fmt, activations, kernels)
+                layers.update(quantized)
+                size += nbytes
     if by_param:
-        raise ValueError(f"quantized tensors for {sorted(by_param)[:5]} have no linear layer")
-    return QuantSummary(method, layers, kept, size, file_formats)
+        raise ValueError(f"quantized tensors for {sorted(by_param)[:5]} have no linear or embedding layer")
+    return QuantSummary(method, layers, kept, size, file_formats, embeddings)

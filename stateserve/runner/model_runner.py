@@ -74,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed, device)
         self.graph_manager: cuda_graphs.DecodeGraphManager | None = None  # released first at shutdown
         self.activation_bytes = 0  # peak activation memory of one max_num_batched_tokens step
+        self.model_bytes = 0  # the weights' bytes once loaded, as the load log says
         self.activation_source = "none"  # measured | estimated | skipped reason, for logs and tests
         self.threads = cpu_threads.governor() if device.type == "cpu" else None  # team size per step
 
@@ -101,6 +102,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             used = sum(p.numel() * p.element_size() for p in model.parameters()) + \
                 (quantized.weight_bytes if quantized is not None else 0)
+        self.model_bytes = used
         logger.info("Model loading took %.4f GiB memory and %.2f seconds%s%s", used / GiB, time.perf_counter() - start,
                     source, f"; {quantized.describe()}" if quantized is not None else "")
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
