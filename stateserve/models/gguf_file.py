@@ -1,17 +1,22 @@
 """GGUF files (llama.cpp's format) as checkpoints: the file's metadata becomes a transformers config of the same
 model, its tensors the checkpoint's tensors under Hugging Face names, so every model loads a GGUF file through the
-same `map_weight_name` as a folder.
+same `map_weight_name` as a folder. This module reads the file; what each architecture's converter wrote
+(names, layer layout) is gguf_archs.py's, the config gguf_configs.py's.
 
-What the converter (llama.cpp's convert_hf_to_gguf.py) changed is undone here: Llama's q/k rows are permuted back
-to rotate-half order, Mamba's A (stored as -exp(A_log)) becomes A_log again, squeezed conv1d weights get their
-middle axis back, Mamba2's grouped norm is flattened. Float tensors come out as float32 (the stored values
-exactly); a block-quantized 2-D weight comes out as a GGUFTensor, which a linear layer keeps in its own format
-(quantization/formats.py) and any other parameter dequantizes.
+What the converter (llama.cpp's convert_hf_to_gguf.py) changed is undone here: q/k rows interleaved per head are put
+back in rotate-half order, Mamba's A (stored as -exp(A_log)) becomes A_log again, squeezed conv1d weights get their
+middle axis back, the Mamba2 layout's A, D and grouped norm are flattened, stacked experts [E, N, K] are split per
+expert (or kept whole where the model's checkpoint stacks them), gate and up halves are joined again. Float tensors
+come out as float32 (the stored values exactly); a block-quantized 2-D weight comes out as a GGUFTensor, which a
+linear layer keeps in its own format (quantization/formats.py) and any other parameter dequantizes; stacked experts
+are dequantized.
 
-Architectures: llama, mamba, mamba2. Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K,
+Architectures: llama (with Llama 3.1 rope scaling), mamba, mamba2, jamba, falcon-h1, nemotron_h, nemotron_h_moe,
+granitehybrid (Bamba or GraniteMoeHybrid). Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K,
 IQ4_NL, IQ4_XS (quantization/ggml_types.py); a file with any other type is refused, naming it."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -21,8 +26,10 @@ import torch
 
 from stateserve.quantization.formats import QuantizedWeight
 
-ARCHITECTURES = ("llama", "mamba", "mamba2")
+from stateserve.models.gguf_archs import ARCHITECTURES
+
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_REWRITTEN = ("ssm_a", "ssm_d", "ssm_conv1d", "ssm_norm")  # undone on float values (_undo_conversion)
 
 
 def is_gguf(path: str) -> bool:
@@ -68,6 +75,7 @@ class GGUFCheckpoint:
     arch: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     _reader: Any = None
+    _table: Any = None  # gguf_archs.Names of the file's architecture
 
     def __post_init__(self) -> None:
         from gguf import GGUFReader
@@ -114,46 +122,9 @@ class GGUFCheckpoint:
         return self.tensors["token_embd.weight"].tensor_type.name
 
     def _config(self) -> Any:
-        vocab = int(self.tensors["token_embd.weight"].shape[-1])
-        tied = not self._has("output.weight")
-        common = dict(vocab_size=vocab, hidden_size=int(self._get("embedding_length")),
-                      num_hidden_layers=int(self._get("block_count")), tie_word_embeddings=tied,
-                      bos_token_id=self.meta.get("tokenizer.ggml.bos_token_id"),
-                      eos_token_id=self.meta.get("tokenizer.ggml.eos_token_id"))
-        eps = float(self._get("attention.layer_norm_rms_epsilon", 1e-5))
-        if self.arch == "llama":
-            from transformers import LlamaConfig
+        from stateserve.models import gguf_configs
 
-            if self._has("rope_freqs.weight"):
-                raise ValueError(f"{self.path}: Llama 3.1-style rope scaling (rope_freqs) from GGUF is not "
-                                 "supported yet; load the Hugging Face folder")
-            heads = int(self._get("attention.head_count"))
-            hidden = common["hidden_size"]
-            rope = {"rope_type": "default", "rope_theta": float(self._get("rope.freq_base", 10000.0))}
-            if self._get("rope.scaling.type") == "linear":
-                rope = {**rope, "rope_type": "linear", "factor": float(self._get("rope.scaling.factor"))}
-            return LlamaConfig(**common, architectures=["LlamaForCausalLM"], intermediate_size=int(self._get("feed_forward_length")),
-                               num_attention_heads=heads,
-                               num_key_value_heads=int(self._get("attention.head_count_kv", heads)),
-                               head_dim=int(self._get("attention.key_length", hidden // heads)),
-                               max_position_embeddings=int(self._get("context_length", 4096)), rms_norm_eps=eps,
-                               rope_parameters=rope)
-        inner = int(self._get("ssm.inner_size"))
-        ssm = dict(state_size=int(self._get("ssm.state_size")), conv_kernel=int(self._get("ssm.conv_kernel")),
-                   layer_norm_epsilon=eps, use_bias=self._has("blk.0.ssm_in.bias"),
-                   use_conv_bias=self._has("blk.0.ssm_conv1d.bias"))
-        if self.arch == "mamba":
-            from transformers import FalconMambaConfig, MambaConfig
-
-            falcon = bool(self._get("ssm.dt_b_c_rms", False))
-            cls = FalconMambaConfig if falcon else MambaConfig
-            return cls(**common, **ssm, architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"], intermediate_size=inner, expand=inner // common["hidden_size"],
-                       time_step_rank=int(self._get("ssm.time_step_rank")))
-        from transformers import Mamba2Config
-
-        heads = int(self._get("ssm.time_step_rank"))
-        return Mamba2Config(**common, **ssm, architectures=["Mamba2ForCausalLM"], expand=inner // common["hidden_size"], num_heads=heads,
-                            head_dim=inner // heads, n_groups=int(self._get("ssm.group_count", 1)))
+        return gguf_configs.config(self)
 
     def linear_format(self) -> str:
         """The type of the blocks' 2-D weights: "Q8_0", a float type, or the other type(s) found (comma-joined)."""
@@ -172,77 +143,88 @@ class GGUFCheckpoint:
         values = dequantize(t.data, t.tensor_type)
         return np.asarray(values, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
 
+    def _float(self, name: str) -> torch.Tensor:
+        """A tensor's values as float32, in numpy's (reversed ggml) shape."""
+        t = self.tensors[name]
+        if t.tensor_type.name in _FLOAT_TYPES:
+            return torch.from_numpy(self._array(name).copy())
+        from stateserve.quantization import ggml_types
+
+        shape = [int(n) for n in reversed(t.shape)]
+        return ggml_types.dequantize(t.data, t.tensor_type, [math.prod(shape[:-1]), shape[-1]]).reshape(shape)
+
+    def _names(self) -> Any:
+        from stateserve.models import gguf_archs
+
+        if self._table is None:
+            self._table = gguf_archs.names(self)
+        return self._table
+
     def tensors_hf(self) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
         """(Hugging Face name, value) for every tensor of the file: a float32 tensor, or for a block-quantized 2-D
-        weight a GGUFTensor (its blocks kept as they are where the layer takes them, else dequantized)."""
+        weight a GGUFTensor (its blocks kept as they are where the layer takes them, else dequantized). Stacked
+        experts [E, N, K] come out dequantized, per expert or whole as the model's checkpoint names them; tensors
+        the converter split (gate and up) come out joined again."""
+        from stateserve.models import gguf_archs
+
         config = self.hf_config()
         for name, t in self.tensors.items():
-            hf = self._hf_name(name)
-            if hf is None:
+            target = gguf_archs.target(self._names(), name)
+            if target is None:
                 raise ValueError(f"{self.path}: unexpected tensor {name!r} for architecture {self.arch}")
-            rows = self._row_order(name, config)
-            if t.tensor_type.name not in _FLOAT_TYPES and len(t.shape) == 2 and rows is not None:
-                shape = (int(t.shape[1]), int(t.shape[0]))
-                yield hf, GGUFTensor(name, np.asarray(t.data).reshape(shape[0], -1), t.tensor_type, shape, rows)
+            if not target.name:
+                continue  # read with another tensor, or into the config
+            parts = [name] + ([target.join] if target.join else [])
+            if any(p not in self.tensors for p in parts):
+                raise ValueError(f"{self.path}: tensor {name!r} without its other half {target.join!r}")
+            rows = self._rotary_rows(name, config) if target.rotary else _same
+            if len(t.shape) == 3:  # stacked experts
+                value = torch.cat([self._float(p) for p in parts], dim=1)
+                if "{e}" in target.name:
+                    yield from ((target.name.format(e=e), value[e]) for e in range(value.shape[0]))
+                else:
+                    yield target.name, value
                 continue
-            value = torch.from_numpy(self._array(name).copy())
-            yield hf, rows(value) if rows is not None else self._undo_conversion(name, value)
+            kinds = {self.tensors[p].tensor_type for p in parts}
+            if len(t.shape) == 2 and len(kinds) == 1 and t.tensor_type.name not in _FLOAT_TYPES and \
+                    _kind(name) not in _REWRITTEN:
+                raws = [np.asarray(self.tensors[p].data).reshape(int(self.tensors[p].shape[1]), -1) for p in parts]
+                raw = np.concatenate(raws) if len(raws) > 1 else raws[0]  # one part: the file's memory, no copy
+                yield target.name, GGUFTensor(name, raw, t.tensor_type, (raw.shape[0], int(t.shape[0])), rows)
+                continue
+            value = torch.cat([self._float(p) for p in parts]) if target.join else self._float(name)
+            yield target.name, rows(value) if target.rotary else self._undo_conversion(name, value)
 
-    def _hf_name(self, name: str) -> str | None:
-        top = {"llama": {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-               "mamba": {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f",
-                         "output": "lm_head"}}[("llama" if self.arch == "llama" else "mamba")]
-        parts = name.split(".")
-        if parts[0] != "blk":
-            stem, suffix = parts[0], ".".join(parts[1:])
-            return f"{top[stem]}.{suffix}" if stem in top else None
-        layer, kind, suffix = parts[1], parts[2], ".".join(parts[3:])
-        if self.arch == "llama":
-            local = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                     "ffn_down": "mlp.down_proj"}.get(kind)
-            return None if local is None else f"model.layers.{layer}.{local}.{suffix}"
-        mixer = f"backbone.layers.{layer}.mixer"
-        if kind == "attn_norm":
-            return f"backbone.layers.{layer}.norm.{suffix}"
-        if kind == "ssm_a":
-            return f"{mixer}.A_log"
-        if kind == "ssm_d":
-            return f"{mixer}.D"
-        if kind == "ssm_dt" and suffix == "bias" and self.arch == "mamba2":
-            return f"{mixer}.dt_bias"
-        local = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_x": "x_proj", "ssm_dt": "dt_proj",
-                 "ssm_out": "out_proj", "ssm_norm": "norm"}.get(kind)
-        return None if local is None else f"{mixer}.{local}.{suffix}"
+    def _rotary_rows(self, name: str, config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What undoes the converter's interleaving of q/k rows (each head's two rotary halves): rotate-half order."""
+        heads = config.num_attention_heads if _kind(name) == "attn_q" else config.num_key_value_heads
 
-    def _row_order(self, name: str, config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """What undoes the converter's change to a tensor when it only reorders rows (identity for most); None when
-        the tensor changes otherwise (_undo_conversion)."""
-        kind = name.split(".")[2] if name.startswith("blk.") else ""
-        if kind in ("attn_q", "attn_k") and name.endswith(".weight"):
-            heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-
-            def rotate_half_order(value: torch.Tensor) -> torch.Tensor:
-                # the converter interleaved each head's two rotary halves: put them back in rotate-half order
-                rows = value.shape[0]
-                return value.reshape(heads, rows // heads // 2, 2, *value.shape[1:]).transpose(1, 2) \
-                    .reshape(value.shape)
-            return rotate_half_order
-        if kind in ("ssm_a", "ssm_d", "ssm_conv1d", "ssm_norm"):
-            return None
-        return lambda value: value
+        def rotate_half_order(value: torch.Tensor) -> torch.Tensor:
+            rows = value.shape[0]
+            return value.reshape(heads, rows // heads // 2, 2, *value.shape[1:]).transpose(1, 2).reshape(value.shape)
+        return rotate_half_order
 
     def _undo_conversion(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """The converter's other changes undone: Mamba's A stored as -exp(A_log), squeezed conv1d weights,
-        Mamba2's D and grouped norm reshaped."""
-        kind = name.split(".")[2]
+        """The converter's other changes undone: Mamba's A stored as -exp(A_log), squeezed conv1d weights, the
+        Mamba2 layout's A and D as [heads, 1] and its grouped norm."""
+        from stateserve.models.gguf_archs import MAMBA2_LAYOUT
+
+        kind, mamba2 = _kind(name), self.arch in MAMBA2_LAYOUT
         if kind == "ssm_a":
-            return torch.log(-value).reshape(-1) if self.arch == "mamba2" else torch.log(-value)
-        if kind == "ssm_d" and self.arch == "mamba2":
+            return torch.log(-value).reshape(-1) if mamba2 else torch.log(-value)
+        if kind == "ssm_d" and mamba2:
             return value.reshape(-1)
         if kind == "ssm_conv1d" and name.endswith(".weight"):
             return value.unsqueeze(1)
         if kind == "ssm_norm":
             return value.reshape(-1)
         return value
+
+
+def _same(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def _kind(name: str) -> str:
+    """blk.N.KIND.suffix -> KIND ("" for the tensors outside the blocks)."""
+    return name.split(".")[2] if name.startswith("blk.") else ""
