@@ -99,7 +99,7 @@ def _per(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.to(torch.float32).repeat_interleave(n, dim=1)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", *ggml_types.INT8_TYPES])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", *ggml_types.INT8_TYPES])
 def test_fields_rebuild_the_values(name):
     """Each fields function's documented formula, in float32, gives gguf's values bit for bit."""
     n, k = SHAPE
@@ -120,6 +120,12 @@ def test_fields_rebuild_the_values(name):
             assert int(sc.max()) <= 63 and int(mn.max()) <= 63
             values = _per(_per(d, 8) * sc.to(torch.float32), 32) * codes.to(torch.float32) \
                 - _per(_per(dmin, 8) * mn.to(torch.float32), 32)
+        elif name == "Q6_K":
+            codes, sc, d = ggml_types.q6_k_fields(raw, SHAPE)
+            assert codes.dtype == torch.uint8 and codes.shape == SHAPE and int(codes.max()) <= 63
+            assert sc.dtype == torch.int8 and sc.shape == (n, k // 16)
+            assert d.dtype == torch.float16 and d.shape == (n, k // 256)
+            values = _per(_per(d, 16) * sc.to(torch.float32), 16) * (codes.to(torch.float32) - 32)
         else:
             codes, scales = ggml_types.int8_fields(raw, T[name], SHAPE)
             assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (n, k // 32)
@@ -127,6 +133,27 @@ def test_fields_rebuild_the_values(name):
         if name in ("Q4_0", "Q4_1", "Q4_K"):
             assert codes.dtype == torch.uint8 and codes.shape == SHAPE and int(codes.max()) <= 15
         _assert_bits_equal(values, ref, f"{name} {case} fields")
+
+
+def test_q6_k_fields_as_a_weight_dequantize_as_gguf():
+    """A GGUF file's Q6_K bytes kept as a q6_k weight (what GGUFTensor.to_quantized makes of them): the weight's own
+    dequantize, QuantLinear's fallback and the kernels' reference, gives gguf.quants' values bit for bit; every code
+    0..63 and every scale -128..127 occur."""
+    from stateserve.quantization import formats
+
+    shape = (64, 1024)
+    raw = _random_blocks(np.random.default_rng(23), "Q6_K", shape)
+    fields = ggml_types.q6_k_fields(raw, shape)
+    weight = formats.QuantizedWeight("q6_k", dict(zip(formats.FIELDS["q6_k"], fields)))
+    codes, sc, _ = fields
+    assert set(codes.unique().tolist()) == set(range(64)) and set(sc.unique().tolist()) == set(range(-128, 128))
+    assert weight.shape == shape and weight.nbytes == shape[0] * shape[1] // 256 * (256 + 16 + 2)
+    _assert_bits_equal(weight.dequantize(), gguf.quants.dequantize(raw, T.Q6_K).reshape(shape), "q6_k weight")
+    half = weight.map_rows(lambda t: t[::2])  # rows first: a row operation applies to every field alike
+    _assert_bits_equal(half.dequantize(), gguf.quants.dequantize(raw, T.Q6_K).reshape(shape)[::2], "q6_k rows")
+    assert formats.BITS["q6_k"] == 210 * 8 / 256 and formats.fits("q6_k", 768) and not formats.fits("q6_k", 800)
+    with pytest.raises(ValueError, match="no load-time quantizer for 'q6_k'"):
+        formats.quantize(torch.zeros(4, 256), "q6_k")
 
 
 def test_int8_fields_code_ranges():

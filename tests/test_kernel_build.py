@@ -184,7 +184,8 @@ def _isa_variants() -> list[str]:
 
 
 KERNEL_TESTS = ["test_cpu_kernels.py", "test_cpu_small_ops.py", "test_attention.py", "test_linear_kernel.py",
-                "test_packed_linear.py", "test_fused_decode.py", "test_quant_kernels.py", "test_quant_q4_kernels.py"]
+                "test_packed_linear.py", "test_fused_decode.py", "test_quant_kernels.py", "test_quant_q4_kernels.py",
+                "test_quant_q6k_kernels.py"]
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])

@@ -82,6 +82,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(quantize_activations) or float activations times the dequantized weights",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
         py::arg("quantize_activations") = true, nogil);
+  m.def("q6_k_pack", &q6_k_pack,
+        "Q6_K weight fields into q6_k_linear's panels: codes uint8 [N, K] (0..63), sc int8 [N, K/16], d float16 "
+        "[N, K/256] (w = d * sc * (codes - 32))",
+        py::arg("codes"), py::arg("sc"), py::arg("d"), nogil);
+  m.def("q6_k_unpack", &q6_k_unpack, "(codes, sc, d) of a packed Q6_K weight", py::arg("packed"), py::arg("N"),
+        py::arg("K"), nogil);
+  m.def("q6_k_linear", &q6_k_linear,
+        "x @ W.T + bias with W packed Q6_K: int8 activations per block of 32 and integer dot products "
+        "(quantize_activations) or float activations times the dequantized weights",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
+        py::arg("quantize_activations") = true, nogil);
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether packed_linear has a kernel for a dtype and in_features", nogil);
 }

@@ -23,7 +23,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 bool fast_linear_supported(c10::ScalarType dtype);
 torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 // ---- the fused decode calls' projections (projection.cpp): a float weight through fast_linear, a packed quantized
-// one (q8_0_pack / q4_pack) through its product in the mode quantize_activations names; its [N, K]
+// one (q8_0_pack / q4_pack / q6_k_pack) through its product in the mode quantize_activations names; its [N, K]
 torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
                       bool quantize_activations);
 int64_t projection_outputs(const torch::Tensor& weight);
@@ -50,6 +50,12 @@ std::tuple<std::string, torch::Tensor, torch::Tensor, c10::optional<torch::Tenso
 q4_unpack(torch::Tensor packed, int64_t N, int64_t K);  // (format, codes, d, m, sc, mn), None where absent
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N, int64_t K,
                         bool quantize_activations);
+
+// ---- Q6_K weights (quant_q6k_linear.cpp; the tiles in quant_q6k_a8.cpp and quant_q6k_exact.cpp)
+torch::Tensor q6_k_pack(torch::Tensor codes, torch::Tensor sc, torch::Tensor d);
+std::vector<torch::Tensor> q6_k_unpack(torch::Tensor packed, int64_t N, int64_t K);  // (codes, sc, d)
+torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
+                          int64_t K, bool quantize_activations);
 
 // ---- per-token ops (small_ops.cpp, gated_norm.cpp)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

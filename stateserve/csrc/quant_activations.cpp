@@ -17,7 +17,7 @@ inline float block_scale(float amax, float* id) {
 }
 
 template <typename T>
-void quantize_row(const T* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums) {
+void quantize_row(const T* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums, int64_t sum_values) {
   const int64_t blocks = K / kBlock;
 #if SS_HAS_AVX512
   using stateserve_simd::load16;
@@ -79,20 +79,23 @@ void quantize_row(const T* x, int64_t K, bool offset, uint8_t* q, float* d, int3
 #endif
   if (sums == nullptr) return;
   TORCH_INTERNAL_ASSERT(!offset, "code sums are of signed codes");
-  for (int64_t b = 0; b < blocks; ++b) {
+  TORCH_INTERNAL_ASSERT(sum_values > 0 && kBlock % sum_values == 0, "sums of whole blocks or parts of one");
+  for (int64_t g = 0; g < K / sum_values; ++g) {
     int32_t s = 0;
-    for (int64_t j = 0; j < kBlock; ++j) s += static_cast<int8_t>(q[b * kBlock + j]);
-    sums[b] = s;
+    for (int64_t j = 0; j < sum_values; ++j) s += static_cast<int8_t>(q[g * sum_values + j]);
+    sums[g] = s;
   }
 }
 
 }  // namespace
 
-void a8_quantize_row(const float* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums) {
-  quantize_row(x, K, offset, q, d, sums);
+void a8_quantize_row(const float* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums,
+                     int64_t sum_values) {
+  quantize_row(x, K, offset, q, d, sums, sum_values);
 }
-void a8_quantize_row(const at::BFloat16* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums) {
-  quantize_row(x, K, offset, q, d, sums);
+void a8_quantize_row(const at::BFloat16* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums,
+                     int64_t sum_values) {
+  quantize_row(x, K, offset, q, d, sums, sum_values);
 }
 
 }  // namespace stateserve_quant

@@ -1,7 +1,8 @@
 // The vector operations the quantized tiles are written over (quant_a8.cpp, quant_exact.cpp: Q8_0; quant_q4_a8.cpp,
-// quant_q4_exact.cpp: Q4): Lanes16 (AVX-512: 16 rows of a panel per vector) and Lanes8 (AVX2: a panel's 16 rows as
-// two vectors of 8), the same operations under the same names. I holds int32 lanes (or the 4 bytes of a lane), F
-// float32 lanes; the byte loads read kLanes rows' values of one unit of a panel (quant_tiles.h).
+// quant_q4_exact.cpp: Q4; quant_q6k_a8.cpp, quant_q6k_exact.cpp: Q6_K): Lanes16 (AVX-512: 16 rows of a panel per
+// vector) and Lanes8 (AVX2: a panel's 16 rows as two vectors of 8), the same operations under the same names. I holds
+// int32 lanes (or the 4 bytes of a lane), F float32 lanes; the byte loads read kLanes rows' values of one unit of a
+// panel (quant_tiles.h).
 #pragma once
 #include <cstdint>
 #include <cstring>

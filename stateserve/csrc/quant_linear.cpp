@@ -107,7 +107,7 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
     const auto exact = [&](const float* xp, int64_t ldx, int mr, int np, const uint8_t* const* ptrs, float* c) {
       exact_tile(mr, np, xp, ldx, ptrs, blocks, c);
     };
-    run_product(args.x, panels, N, K, b, out, {quantize_activations, kOffsetCodes, false}, a8_tile_shape(M), a8,
+    run_product(args.x, panels, N, K, b, out, {quantize_activations, kOffsetCodes, 0}, a8_tile_shape(M), a8,
                 exact_tile_shape(M), exact);
   });
 }

@@ -181,7 +181,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<tor
     const auto exact = [&](const float* xp, int64_t ldx, int mr, int np, const uint8_t* const* ptrs, float* c) {
       exact_tile(f, mr, np, xp, ldx, ptrs, blocks, c);
     };
-    run_product(args.x, panels, N, K, b, out, {quantize_activations, false, true}, a8_tile_shape(M), a8,
+    run_product(args.x, panels, N, K, b, out, {quantize_activations, false, kBlock}, a8_tile_shape(M), a8,
                 exact_tile_shape(M), exact);
   });
 }

@@ -1,7 +1,8 @@
-// What the quantized linears share (Q8_0: quant_linear.cpp; Q4_0, Q4_1, Q4_K: quant_q4_linear.cpp): the packed
-// tensor's panels and trailer, the widening of its last panel, the loop over rows of x and groups of panels that
-// calls a format's register tiles, the two modes (int8 activations: x quantized per block of 32 as llama.cpp's
-// quantize_row_q8_0, quant_activations.cpp; float32 activations) and the entry points' argument checks.
+// What the quantized linears share (Q8_0: quant_linear.cpp; Q4_0, Q4_1, Q4_K: quant_q4_linear.cpp; Q6_K:
+// quant_q6k_linear.cpp): the packed tensor's panels and trailer, the widening of its last panel, the loop over rows of
+// x and groups of panels that calls a format's register tiles, the two modes (int8 activations: x quantized per block
+// of 32 as llama.cpp's quantize_row_q8_0, quant_activations.cpp; float32 activations) and the entry points' argument
+// checks.
 //
 // A packed weight (uint8, 1-D): ceil(N / 16) panels of 16 rows of W (output columns), then a 32-byte trailer of
 // four int64 (the format's magic, N, K, a full panel's bytes). A panel is a few segments one after the other;
@@ -198,18 +199,22 @@ void run_tiles(int64_t M, int64_t N, int64_t K, TileShape shape, const T* bias, 
 // ---- quant_activations.cpp: one row of x quantized as llama.cpp's quantize_row_q8_0: per block of 32, d = amax /
 // 127, codes roundf(x / d) in [-127, 127] (0 when d is 0) into q [K] (as signed bytes, or + 128 as unsigned bytes
 // where `offset`: the Q8_0 vpdpbusd path), and float(float16(d)) into d [K / 32]; where sums is not null, the sum of
-// each block's (signed) codes into sums [K / 32].
-void a8_quantize_row(const float* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums);
-void a8_quantize_row(const at::BFloat16* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums);
+// the (signed) codes of each group of sum_values (32: a block, or 16) into sums [K / sum_values].
+void a8_quantize_row(const float* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums,
+                     int64_t sum_values);
+void a8_quantize_row(const at::BFloat16* x, int64_t K, bool offset, uint8_t* q, float* d, int32_t* sums,
+                     int64_t sum_values);
 
-// How a format's tiles want x: int8 activations (A8) with or without the blocks' code sums, or float32.
+// How a format's tiles want x: int8 activations (A8) with or without code sums (per sum_values codes: 0 none, 32
+// per block (Q4), 16 per half block (Q6_K)), or float32.
 struct Activations {
-  bool quantize, offset_codes, sums;
+  bool quantize, offset_codes;
+  int64_t sum_values;
 };
 
 // y = x @ W^T + bias through run_tiles. A8: x quantized once, row by row, then
-//   a8(q, ldq, d, sums, ldd, mr, np, panels, c) for rows q .. of codes (ldq bytes apart), their blocks' scales d and
-//   code sums (ldd apart; sums null unless asked for);
+//   a8(q, ldq, d, sums, ldd, mr, np, panels, c) for rows q .. of codes (ldq bytes apart), their blocks' scales d
+//   (ldd apart) and code sums (ldd * 32 / sum_values apart; null unless asked for);
 // else x as float32 rows (bfloat16 widened, exactly), exact(x, ldx, mr, np, panels, c).
 template <typename T, typename A8, typename Exact>
 void run_product(const torch::Tensor& x, const Panels& panels, int64_t N, int64_t K, const T* bias, T* out,
@@ -218,18 +223,19 @@ void run_product(const torch::Tensor& x, const Panels& panels, int64_t N, int64_
   if (act.quantize) {
     std::unique_ptr<uint8_t[]> q(new uint8_t[M * K]);  // not zeroed: every byte is written
     std::unique_ptr<float[]> d(new float[M * blocks]);
-    std::unique_ptr<int32_t[]> s(act.sums ? new int32_t[M * blocks] : nullptr);
+    const int64_t sums = act.sum_values != 0 ? K / act.sum_values : 0;  // per row
+    std::unique_ptr<int32_t[]> s(sums != 0 ? new int32_t[M * sums] : nullptr);
     const T* xp = x.data_ptr<T>();
     const int64_t ldx = x.stride(0);
     at::parallel_for(0, M, stateserve_simd::rows_grain(K, 1), [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
         a8_quantize_row(xp + m * ldx, K, act.offset_codes, q.get() + m * K, d.get() + m * blocks,
-                        s ? s.get() + m * blocks : nullptr);
+                        s ? s.get() + m * sums : nullptr, act.sum_values);
     });
     run_tiles(M, N, K, a8_shape, bias, out, [&](int64_t m, int mr, int64_t p0, int np, float* c) {
       const uint8_t* ptrs[kMaxTilePanels];
       panels.at(p0, np, ptrs);
-      a8(q.get() + m * K, K, d.get() + m * blocks, s ? s.get() + m * blocks : nullptr, blocks, mr, np, ptrs, c);
+      a8(q.get() + m * K, K, d.get() + m * blocks, s ? s.get() + m * sums : nullptr, blocks, mr, np, ptrs, c);
     });
   } else {
     torch::Tensor xf = x;

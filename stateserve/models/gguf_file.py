@@ -52,13 +52,13 @@ class GGUFTensor:
         return self.rows(ggml_types.dequantize(self.raw, self.type, self.shape))
 
     def to_quantized(self) -> QuantizedWeight:
-        """The blocks in our formats: Q4_0, Q4_1, Q4_K as they are; Q8_0, Q5_0 and IQ4_NL exactly as int8 codes with
-        a float16 scale per 32; Q5_K, Q6_K and IQ4_XS (whose scales d * (ls - 32) float16 does not hold) quantized
+        """The blocks in our formats: Q4_0, Q4_1, Q4_K, Q6_K as they are; Q8_0, Q5_0 and IQ4_NL exactly as int8 codes
+        with a float16 scale per 32; Q5_K and IQ4_XS (whose scales d * (ls - 32) float16 does not hold) quantized
         again as Q8_0 from their values."""
         from stateserve.quantization import formats, ggml_types
 
         kind = self.type.name
-        if kind in ("Q4_0", "Q4_1", "Q4_K"):
+        if kind in ("Q4_0", "Q4_1", "Q4_K", "Q6_K"):
             fields = getattr(ggml_types, f"{kind.lower()}_fields")(self.raw, self.shape)
             weight = QuantizedWeight(kind.lower(), dict(zip(formats.FIELDS[kind.lower()], fields)))
         elif kind in ("Q8_0", "Q5_0", "IQ4_NL"):  # float16 holds their scales exactly

@@ -2,8 +2,8 @@
 layers holding llama.cpp block formats (formats.py), right after the checkpoint is read.
 
 Methods: "int8" (Q8_0), "q4_0", "q4_k", each with int8 activations, and their "..._weight_only" twins (float
-activations, exact). A GGUF file's quantized tensors keep their own format whatever the method (the file's Q6_K and
-Q5_K, which have no kernels here, become Q8_0); the method's format applies to the float linears of a safetensors
+activations, exact). A GGUF file's quantized tensors keep their own format whatever the method (the file's Q5_K
+and IQ4_XS, which have no kernels here, become Q8_0); the method's format applies to the float linears of a safetensors
 checkpoint (of a GGUF file only when a method is asked for), its activation mode to every layer.
 
 Which layers: every nn.Linear whose in_features fits the format's block (Q4_K: 256, else 32; a Q4_K layer that

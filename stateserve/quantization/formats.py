@@ -1,5 +1,5 @@
-"""The weight formats a QuantLinear keeps, as plain tensors: llama.cpp's Q8_0, Q4_0, Q4_1 and Q4_K, whatever they
-came from (load-time quantization of a float checkpoint, or a GGUF file's own blocks).
+"""The weight formats a QuantLinear keeps, as plain tensors: llama.cpp's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K, whatever
+they came from (load-time quantization of a float checkpoint, or a GGUF file's own blocks).
 
 Every field has the weight's rows first ([N, ...]), so the parts of a fused projection (q/k/v, gate/up) are joined
 by concatenating their fields, and a permutation of rows (a GGUF file's interleaved rotary halves) applies to each
@@ -9,6 +9,7 @@ values bit for bit):
   q4_0: d [N, B] * (codes - 8), codes uint8 0..15
   q4_1: d [N, B] * codes + m [N, B]
   q4_k: (d [N, S] * sc [N, B]) * codes - dmin [N, S] * mn [N, B], sc and mn 6-bit, d and dmin float16
+  q6_k: (d [N, S] * sc [N, K / 16]) * (codes - 32), codes uint8 0..63, sc int8, d float16 (every value exact)
 Symbols: N rows (output features), K columns (input features), B = K / 32 blocks, S = K / 256 super-blocks."""
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import torch
 
 from stateserve.quantization import q8_0
 
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 FIELDS = {"q8_0": ("codes", "scales"), "q4_0": ("codes", "d"), "q4_1": ("codes", "d", "m"),
-          "q4_k": ("codes", "d", "dmin", "sc", "mn")}
-BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q4_k": 4.5}  # per weight, as llama.cpp stores them
-SUPER_BLOCK = 256  # Q4_K's values per (d, dmin)
+          "q4_k": ("codes", "d", "dmin", "sc", "mn"), "q6_k": ("codes", "sc", "d")}
+BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q4_k": 4.5, "q6_k": 6.5625}  # per weight, as llama.cpp stores them
+SUPER_BLOCK = 256  # Q4_K's values per (d, dmin), Q6_K's per d
+Q6_K_GROUP = 16  # Q6_K's values per sc
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class QuantizedWeight:
         f, (n, k) = self.fields, self.shape
         if self.fmt == "q8_0":
             return q8_0.dequantize(f["codes"], f["scales"])
+        if self.fmt == "q6_k":  # (d * sc) * (q - 32), as gguf.quants
+            scale = f["d"].float().repeat_interleave(SUPER_BLOCK // Q6_K_GROUP, dim=1) * f["sc"].float()
+            codes = f["codes"].to(torch.float32).reshape(n, k // Q6_K_GROUP, Q6_K_GROUP) - 32
+            return (scale.unsqueeze(-1) * codes).reshape(n, k)
         codes = f["codes"].to(torch.float32).reshape(n, k // q8_0.BLOCK, q8_0.BLOCK)
         if self.fmt == "q4_0":
             values = f["d"].float().unsqueeze(-1) * (codes - 8)
@@ -82,7 +88,7 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 def fits(fmt: str, in_features: int) -> bool:
     """Whether a weight of in_features columns can be held in fmt."""
-    return in_features % (SUPER_BLOCK if fmt == "q4_k" else q8_0.BLOCK) == 0
+    return in_features % (SUPER_BLOCK if fmt in ("q4_k", "q6_k") else q8_0.BLOCK) == 0
 
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:

@@ -1,6 +1,7 @@
 """GGUF tensor types (llama.cpp's ggml block formats) decoded in PyTorch: `dequantize` gives float32 values bit for
 bit equal to gguf.quants.dequantize, and the `*_fields` functions give the codes and scales of the formats that stay
-quantized, as plain tensors (rows along N, blocks along K) for the kernels' packing.
+quantized, as plain tensors (rows along N, blocks along K) for the kernels' packing (q4_0, q4_1, q4_k, q6_k and
+int8 for Q8_0, Q5_0, IQ4_NL and IQ4_XS).
 
 Raw data is the file's bytes, one row of N per line (uint8 [N, row_bytes], numpy or torch; any dtype is read as its
 bytes, so gguf's float16 views of F16 tensors do too). Values are computed in float32 in gguf's order, e.g. Q4_K as
@@ -133,15 +134,14 @@ def _q5_k_fields(raw: Any, shape: Sequence[int]) -> tuple[torch.Tensor, ...]:
     return _rows(low | (high << 4)), _f16(b, 0), _f16(b, 2), _rows(sc), _rows(mn)
 
 
-def _q6_k_fields(raw: Any, shape: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """Q6_K (210 bytes: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d) -> (codes int8 [N, K] in
-    -32..31, d float16 [N, K/256], scales int8 [N, K/16]); w = (d*scale) * codes. Per half of 128 values: low
-    nibbles of 64 bytes then their high nibbles; 2-bit fields of 32 bytes at shifts 0, 2, 4, 6 for quarters 0-3."""
+def q6_k_fields(raw: Any, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K (210 bytes: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d) -> (codes uint8 [N, K] in
+    0..63, sc int8 [N, K/16], d float16 [N, K/256]); w = (d*sc) * (codes - 32). Per half of 128 values: low nibbles
+    of 64 bytes then their high nibbles; 2-bit fields of 32 bytes at shifts 0, 2, 4, 6 for quarters 0-3."""
     b = _blocks(raw, "Q6_K", shape)
     low = _nibbles(b[..., :128].unflatten(-1, (2, 64))).flatten(-2)
     high = _bits(b[..., 128:192].unflatten(-1, (2, 32)), 2).transpose(-1, -2).flatten(-3)
-    codes = (low | (high << 4)).to(torch.int8) - 32
-    return _rows(codes), _f16(b, 208), _rows(b[..., 192:208].contiguous().view(torch.int8))
+    return _rows(low | (high << 4)), _rows(b[..., 192:208].contiguous().view(torch.int8)), _f16(b, 208)
 
 
 def int8_fields(raw: Any, type: Any, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +196,12 @@ def int8_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _scaled(codes, 32, scales).flatten(1)
 
 
+def q6_k_values(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(d*sc) * (codes - 32) in float32, [N, K]: every value exact (11, 7 and 5 significant bits at most)."""
+    scale = _scaled(sc, 16, d).flatten(1)
+    return _per(codes.to(torch.float32, copy=True), 16).sub_(32).mul_(scale.unsqueeze(-1)).flatten(1)
+
+
 def dequantize(raw: Any, type: Any, shape: Sequence[int]) -> torch.Tensor:
     """Raw GGUF bytes of a TAKEN type -> float32 tensor of `shape`, equal bit for bit to gguf.quants.dequantize."""
     name = type_name(type)
@@ -216,8 +222,7 @@ def dequantize(raw: Any, type: Any, shape: Sequence[int]) -> torch.Tensor:
     elif name == "Q5_K":
         out = q4_k_values(*_q5_k_fields(b, shape))
     elif name == "Q6_K":
-        codes, d, scales = _q6_k_fields(b, shape)
-        out = _scaled(codes, 16, _scaled(scales, 16, d).flatten(1))  # (d*scale) * q
+        out = q6_k_values(*q6_k_fields(b, shape))
     else:
         out = int8_values(*int8_fields(b, name, shape))
     return out.reshape(tuple(int(s) for s in shape))

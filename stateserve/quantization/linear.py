@@ -1,6 +1,6 @@
 """QuantLinear: a linear layer whose weight lives only in a llama.cpp block format (formats.py: Q8_0, Q4_0, Q4_1,
-Q4_K), packed once at load for the C++ kernels (csrc/quant_linear.cpp, csrc/quant_q4*.cpp); no float copy of the
-weight is kept beside it.
+Q4_K, Q6_K), packed once at load for the C++ kernels (csrc/quant_linear.cpp, csrc/quant_q4*.cpp, csrc/quant_q6k*.cpp);
+no float copy of the weight is kept beside it.
 
 Two modes (EngineConfig.quantization): int8 activations (the default) quantize each row of x per block of 32 as
 llama.cpp does (Q8_0 rounding) and multiply with integer dot products, the fast mode; weight-only ("..._weight_only")
@@ -17,10 +17,15 @@ from stateserve.quantization import q8_0
 from stateserve.quantization.formats import QuantizedWeight
 
 
+_PRODUCTS = {"q8_0": "q8_0_linear", "q6_k": "q6_k_linear"}  # the kernel of each format (the Q4 formats: q4_linear)
+
+
 def _pack(kernels: object, weight: QuantizedWeight) -> torch.Tensor:
     f = weight.fields
     if weight.fmt == "q8_0":
         return kernels.q8_0_pack(f["codes"].contiguous(), f["scales"].contiguous())  # type: ignore[attr-defined]
+    if weight.fmt == "q6_k":
+        return kernels.q6_k_pack(f["codes"], f["sc"], f["d"])  # type: ignore[attr-defined]
     return kernels.q4_pack(weight.fmt, *(t.contiguous() for t in f.values()))  # type: ignore[attr-defined]
 
 
@@ -41,7 +46,7 @@ class QuantLinear(nn.Module):
         self.fmt = parts[0].fmt if len(set(self.formats)) == 1 else "+".join(self.formats)
         self.quantize_activations = quantize_activations
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.kernels = [getattr(kernels, "q8_0_linear" if p.fmt == "q8_0" else "q4_linear", None) for p in parts]
+        self.kernels = [getattr(kernels, _PRODUCTS.get(p.fmt, "q4_linear"), None) for p in parts]
         self._fields: list[QuantizedWeight] = []
         if all(k is not None for k in self.kernels):
             for i, part in enumerate(parts):  # buffers, so that .to() and the memory accounting see them
