@@ -12,7 +12,9 @@ MODEL_DIR = os.environ.get("STATESERVE_BENCH_MODELS", os.path.expanduser("~/.cac
 
 
 def _configs(size: str) -> dict:
-    from transformers import (BambaConfig, JambaConfig, LlamaConfig, Mamba2Config, MambaConfig)
+    from transformers import (BambaConfig, JambaConfig, LlamaConfig, Lfm2Config, Mamba2Config, MambaConfig,
+                              OlmoHybridConfig, Qwen3_5TextConfig)
+    from transformers import KimiLinearConfig
 
     if size == "small":  # quick runs: a few seconds per measurement on 2 cores
         h, layers, vocab = 256, 4, 8192
@@ -41,10 +43,54 @@ def _configs(size: str) -> dict:
                                     attn_layer_indices=list(range(layers // 4, layers, layers // 2)),
                                     mamba_n_heads=h * 2 // 64, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1,
                                     mamba_chunk_size=64, tie_word_embeddings=False, max_position_embeddings=8192)),
+        # LFM2's pattern: every third layer attention (GQA, a quarter of the heads), the rest gated short convs; the
+        # MLP width 2/3 of 4h rounded to 256 (its block_auto_adjust_ff_dim), so base is ~131M (llama's ~134M)
+        "lfm2": (Lfm2Config, dict(vocab_size=vocab, hidden_size=h, intermediate_size=h * 4, num_hidden_layers=layers,
+                                  num_attention_heads=h // 64, num_key_value_heads=max(1, h // 64 // 4),
+                                  layer_types=["full_attention" if i % 3 == 2 else "conv" for i in range(layers)],
+                                  conv_L_cache=3, tie_word_embeddings=False, max_position_embeddings=8192)),
+        # Qwen3.5 (dense): three gated delta net layers per gated attention layer (its full_attention_interval 4),
+        # GQA 4:1 and partial rotary as the released models; delta-net heads of 64 with twice the value heads of key
+        # heads; llama's MLP width, so base is ~133M like llama's
+        "qwen3_5": (Qwen3_5TextConfig, dict(vocab_size=vocab, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
+                                            num_hidden_layers=layers, num_attention_heads=h // 64,
+                                            num_key_value_heads=max(1, h // 64 // 4), head_dim=64,
+                                            linear_num_key_heads=h // 128, linear_num_value_heads=h // 64,
+                                            linear_key_head_dim=64, linear_value_head_dim=64,
+                                            full_attention_interval=4, tie_word_embeddings=False,
+                                            max_position_embeddings=8192)),
+        # OLMo Hybrid: transformers' default pattern (every fourth layer full attention), MHA with full-width q/k
+        # norms, as many delta-net key / value heads as attention heads, an MLP of 2h: base is ~125M. Key and value
+        # heads of 64 (the released models' values are twice their keys): transformers 5.24 saves the fused conv
+        # as three equal parts (q/k/v_conv1d), which are the real per-projection shards only when value_dim ==
+        # key_dim, and stateserve loads those shards (models/olmo_hybrid.py)
+        "olmo_hybrid": (OlmoHybridConfig, dict(vocab_size=vocab, hidden_size=h,
+                                               intermediate_size=h * 2, num_hidden_layers=layers,
+                                               num_attention_heads=h // 64, num_key_value_heads=h // 64,
+                                               linear_num_key_heads=h // 64, linear_num_value_heads=h // 64,
+                                               linear_key_head_dim=64, linear_value_head_dim=64,
+                                               tie_word_embeddings=False, max_position_embeddings=8192,
+                                               # its defaults (Dolma's 100277 / 100257) lie outside this vocab
+                                               pad_token_id=None, eos_token_id=2)),
+        # Kimi Linear: three KDA layers (heads of 64) per MLA layer (NoPE; latent 256 + a shared key part of 32,
+        # heads of 64 + 32 / 64), the first layer a dense MLP, the rest MoE of 8 experts of 192 (top 2) + a shared
+        # one: base is ~127M (llama's ~134M)
+        "kimi_linear": (KimiLinearConfig, dict(vocab_size=vocab, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
+                                               num_hidden_layers=layers, num_attention_heads=h // 64,
+                                               num_key_value_heads=h // 64, kv_lora_rank=256, q_lora_rank=None,
+                                               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                               linear_num_heads=h // 64, linear_head_dim=64,
+                                               layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                                            for i in range(layers)],
+                                               moe_intermediate_size=192, num_local_experts=8, num_experts_per_tok=2,
+                                               n_group=1, topk_group=1, tie_word_embeddings=False,
+                                               max_position_embeddings=8192,
+                                               # its defaults (163584..163839) lie outside this vocab
+                                               pad_token_id=None, bos_token_id=1, eos_token_id=2)),
     }
 
 
-KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba")
+KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba", "lfm2", "qwen3_5", "olmo_hybrid", "kimi_linear")
 
 
 def model_folder(kind: str, size: str = "base", dtype: torch.dtype = torch.float32) -> str:

@@ -47,7 +47,7 @@ def _dequantized_reference(hf: nn.Module) -> nn.Module:
                 fmt = "q8_0" if name == "lm_head" else METHOD
                 module.weight.copy_(formats.quantize(module.weight, fmt).dequantize())
         for name, p in hf.named_parameters():
-            if ".experts." in name and p.dim() == 3:  # [E, N, K]
+            if ".experts." in name and p.dim() == 3 and p.shape[-1] % 32 == 0:  # [E, N, K]
                 p.copy_(torch.stack([formats.quantize(w, METHOD).dequantize() for w in p]))
     return hf
 
@@ -105,3 +105,22 @@ def test_int8_activations_reach_the_experts(tmp_path):
     # holds; the int8 run must sit far closer to its reference than to the weight-only run
     assert (ours - ref).abs().mean() <= 0.25 * (ours - weight_only).abs().mean()
     assert (ours - ref).abs().max() <= (ref - weight_only).abs().max()
+
+
+def test_experts_whose_k_fits_no_block_stay_float(tmp_path):
+    """Experts of intermediate size 48: gate/up (K = hidden = 64) become products, down (K = 48, no whole block)
+    stays a float matrix beside them, and the forward mixes the two."""
+    config_cls, model_cls, cfg = MODELS["jamba"]
+    cfg = {**cfg, "intermediate_size": 48}
+    hf = build_hf_model(config_cls, model_cls, **cfg)
+    path = save_model(hf, str(tmp_path / "jamba48"))
+    exact = hf_logits(hf, TOKENS)
+    ref = hf_logits(_dequantized_reference(build_hf_model(config_cls, model_cls, **cfg)), TOKENS)
+    scale = exact.abs().max()
+    with LLM(path, dtype="float32", quantization=f"{METHOD}_weight_only", enable_prefix_caching=False,
+             skip_tokenizer_init=True) as llm:
+        moes = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, ExpertMatrices)]
+        assert moes and all(set(m.expert_products) == {"experts_gate_up"} for m in moes)
+        assert all(set(m.expert_matrices()) == {"experts_down"} for m in moes)
+        ours = engine_teacher_forced_logits(llm, TOKENS, len(TOKENS))
+        assert (ours - ref).abs().max() <= 2e-4 * scale

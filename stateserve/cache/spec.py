@@ -25,6 +25,20 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True)
+class LatentKVCacheSpec:
+    """Paged compressed KV of one multi-head latent attention layer (MLA): storage is one tensor
+    [num_blocks, block_size, latent_dim], a token's row being its kv latent and its shared rope key; the layer
+    up-projects keys and values from it at attention time. Blocks are the same blocks (tables, prefix keys) as
+    KVCacheSpec's."""
+
+    latent_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return block_size * self.latent_dim * _elem_size(self.dtype)
+
+
+@dataclass(frozen=True)
 class StateSpec:
     """Fixed-size recurrent state of one layer, per slot: e.g. {"conv": (conv_dim, kernel-1), "ssm": (H, P, N)}.
 
@@ -44,4 +58,4 @@ class StateSpec:
         return sum(math.prod(shape) * _elem_size(dt[name]) for name, shape in self.shapes)
 
 
-CacheSpec = KVCacheSpec | StateSpec
+CacheSpec = KVCacheSpec | LatentKVCacheSpec | StateSpec

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from stateserve.platform import huge_pages
-from stateserve.cache.spec import KVCacheSpec, StateSpec
+from stateserve.cache.spec import KVCacheSpec, LatentKVCacheSpec, StateSpec
 
 logger = logging.getLogger("stateserve")
 
@@ -88,9 +88,12 @@ class CacheStorage:
                  block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
-        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            name: tuple(_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
-                        for _ in range(2))
+        # A latent (MLA) layer keeps one tensor [num_blocks, block_size, latent_dim] and no V (bound as None).
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+            name: (_zeros((plan.num_blocks, block_size, s.latent_dim), s.dtype, device), None)
+            if isinstance(s, LatentKVCacheSpec) else
+            tuple(_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
+                  for _ in range(2))
             for name, s in kv_specs.items()
         }
         # Layers whose state tensors have the same shape and dtype (every Mamba2 layer of a model, say) share one

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3-Next linear attention): short causal conv, then the gated delta rule
+"""Gated DeltaNet (Qwen3-Next and Qwen3.5 linear attention): short causal conv, then the gated delta rule
 
     S_t = exp(g_t) S_{t-1} + k_t^T beta_t (v_t - k_t exp(g_t) S_{t-1}),    o_t = q_t S_t
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
+from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
@@ -92,16 +93,41 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
 
 
+# The input projection layouts of the checkpoints (transformers' names):
+#   "grouped"  Qwen3-Next: in_proj_qkvz rows grouped per key head [q | k | v of its value heads | z of them],
+#              in_proj_ba grouped per key head [b of its value heads | a of them].
+#   "flat"     Qwen3.5: four matrices in_proj_qkv [q (all heads) | k | v], in_proj_z, in_proj_b, in_proj_a; kept
+#              here as two fused matmuls, in_proj_qkvz = [qkv | z] and in_proj_ba = [b | a], loaded by shard.
+#   "separate" OLMo Hybrid: six matrices q_proj, k_proj, v_proj, g_proj (the output gate z), b_proj, a_proj; the
+#              same two fused matmuls as "flat", each filled by shard from its own matrices; the conv weight is
+#              stored per projection too (q_conv1d, k_conv1d, v_conv1d), as three shards of conv1d.
+PROJECTION_LAYOUTS = ("grouped", "flat", "separate")
+# "flat" checkpoint matrix -> (this layer's fused parameter, its shard)
+FLAT_PROJECTION_SHARDS = {"in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+                          "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+# "separate" checkpoint matrix -> (this layer's fused parameter, its shard)
+SEPARATE_PROJECTION_SHARDS = {"q_proj": ("in_proj_qkvz", 0), "k_proj": ("in_proj_qkvz", 1),
+                              "v_proj": ("in_proj_qkvz", 2), "g_proj": ("in_proj_qkvz", 3),
+                              "b_proj": ("in_proj_ba", 0), "a_proj": ("in_proj_ba", 1),
+                              "q_conv1d": ("conv1d", 0), "k_conv1d": ("conv1d", 1), "v_conv1d": ("conv1d", 2)}
+
+
 class GatedDeltaNet(StatefulLayer):
-    """Qwen3-Next linear-attention mixer: forward(x [T, hidden], meta) -> [T, hidden].
+    """Qwen3-Next / Qwen3.5 / OLMo Hybrid linear-attention mixer: forward(x [T, hidden], meta) -> [T, hidden].
 
     State per sequence: "conv" [conv_dim, K-1] (model dtype) and "ssm" [num_v_heads, head_k_dim, head_v_dim]
-    (float32). Checkpoint names follow transformers (in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm,
-    out_proj); in_proj_qkvz is grouped per key head: [q | k | v of its value heads | z of its value heads]."""
+    (float32). Checkpoint names follow transformers (conv1d, dt_bias, A_log, norm, out_proj and the input
+    projections of `layout`, see PROJECTION_LAYOUTS); value heads h*r .. h*r+r-1 share key head h in both."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float, activation: str, dtype: torch.dtype, chunk_size: int = 64) -> None:
+                 conv_kernel: int, eps: float, activation: str, dtype: torch.dtype, chunk_size: int = 64,
+                 layout: str = "grouped", beta_scale: float = 1.0) -> None:
+        """beta_scale: beta = beta_scale * sigmoid(b); OLMo Hybrid's linear_allow_neg_eigval uses 2, so the
+        transition I - beta k k^T may have negative eigenvalues."""
         super().__init__()
+        if layout not in PROJECTION_LAYOUTS:
+            raise ValueError(f"GatedDeltaNet layout {layout!r} is not one of {PROJECTION_LAYOUTS}")
+        self.layout = layout
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={num_k_heads}")
@@ -112,10 +138,19 @@ class GatedDeltaNet(StatefulLayer):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = conv_kernel
         self.dtype, self.chunk_size = dtype, chunk_size
+        self.beta_scale = float(beta_scale)
         self.act = activation_fn(activation)
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        if layout == "flat":  # each fused matrix is filled from two checkpoint matrices
+            stacked(self.in_proj_qkvz.weight, [self.conv_dim, self.value_dim])
+            stacked(self.in_proj_ba.weight, [num_v_heads, num_v_heads])
+        elif layout == "separate":  # [q | k | v | z] and [b | a], each shard its own checkpoint matrix
+            stacked(self.in_proj_qkvz.weight, [self.key_dim, self.key_dim, self.value_dim, self.value_dim])
+            stacked(self.in_proj_ba.weight, [num_v_heads, num_v_heads])
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        if layout == "separate":
+            stacked(self.conv1d.weight, [self.key_dim, self.key_dim, self.value_dim])
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         # deterministic decay rates spread over transformers' init range (1-D params survive dummy init)
         self.A_log = nn.Parameter(torch.linspace(math.log(0.5), math.log(16.0), num_v_heads))
@@ -130,6 +165,10 @@ class GatedDeltaNet(StatefulLayer):
     def _project(self, x: torch.Tensor):
         # x: [T, hidden] -> mixed qkv [T, conv_dim], z [T, Hv, Dv], b and a [T, Hv]
         T = x.shape[0]
+        if self.layout != "grouped":  # already [q | k | v] as the conv wants it: views, no copy
+            mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+            b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+            return mixed, z.view(T, self.num_v_heads, self.head_v_dim), b, a
         dk, dv, r = self.head_k_dim, self.head_v_dim, self.group
         qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
@@ -147,6 +186,8 @@ class GatedDeltaNet(StatefulLayer):
             q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
         v = v.float().view(T, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b).float()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = self.neg_exp_A() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 

@@ -52,16 +52,22 @@ _SHARED_FUSED = {"input_linear.weight": "shared_expert.gate_up_proj.weight",
 
 
 class ExpertMatrices:
-    """What the MoE layers share about their stacked expert matrices: `expert_matrices()` names each as a
-    [E, N, K] view, and quantization (quantization/__init__.py) may replace them by one product module per expert
-    (a QuantLinear each: the float matrix is freed); `expert_linear` is x @ W_e.T either way. A layer calls
-    `init_expert_products()` in its __init__."""
+    """What the MoE layers share about their stacked expert matrices: `expert_shapes()` names each parameter and
+    its [E, N, K] shape, and quantization (quantization/__init__.py) may replace some or all of them by one product
+    module per expert (a QuantLinear each: the float matrix is freed; a matrix whose K fits no format stays float);
+    `expert_linear` is x @ W_e.T either way. A layer calls `init_expert_products()` in its __init__."""
 
     def init_expert_products(self) -> None:
         self.expert_products: nn.ModuleDict | None = None
 
-    def expert_matrices(self) -> dict[str, torch.Tensor]:
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
         raise NotImplementedError
+
+    def expert_matrices(self) -> dict[str, torch.Tensor]:
+        """[E, N, K] views of the expert matrices still held in float (not replaced by products)."""
+        replaced = self.expert_products or {}
+        return {name: getattr(self, name).view(shape) for name, shape in self.expert_shapes().items()
+                if name not in replaced}
 
     def replace_expert_matrices(self, products: dict[str, list[nn.Module]]) -> None:
         self.expert_products = nn.ModuleDict({name: nn.ModuleList(mods) for name, mods in products.items()})
@@ -69,8 +75,8 @@ class ExpertMatrices:
             delattr(self, name)
 
     def expert_linear(self, name: str, e: int, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x [n, K] @ W_e.T -> [n, N]; matrices: expert_matrices() (empty once the products replaced them)."""
-        if self.expert_products is not None:
+        """x [n, K] @ W_e.T -> [n, N]; matrices: expert_matrices() (the float ones)."""
+        if self.expert_products is not None and name in self.expert_products:
             return self.expert_products[name][e](x)
         return F.linear(x, matrices[name][e])
 
@@ -165,10 +171,9 @@ class SparseMoE(nn.Module, ExpertMatrices):
             return _FUSED[name], None
         return None
 
-    def expert_matrices(self) -> dict[str, torch.Tensor]:
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
-        return {"experts_gate_up": self.experts_gate_up.view(E, 2 * I, H),
-                "experts_down": self.experts_down.view(E, H, I)}
+        return {"experts_gate_up": (E, 2 * I, H), "experts_down": (E, H, I)}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -196,7 +201,7 @@ class SparseMoE(nn.Module, ExpertMatrices):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)  # [T, k]
         E, H = self.num_experts, self.hidden_size
-        matrices = self.expert_matrices() if self.expert_products is None else {}
+        matrices = self.expert_matrices()
         flat_ids = ids.flatten()  # [T*k]: assignment a belongs to token a // k
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k

@@ -197,6 +197,27 @@ class MambaMixer(StatefulLayer):
             dt_low, B, C = self.dt_layernorm(dt_low), self.b_layernorm(B), self.c_layernorm(C)
         return linear_without_bias(self.dt_proj, dt_low), B, C
 
+    # ---- the hooks a variant overrides (Zamba v1's multi-head mixer: layers/zamba_mamba.py) ----------------
+    def _split_in_proj(self, xz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj's output [T, 2D] -> (u, z), each [T, D]: the first half and the second."""
+        u, z = xz.chunk(2, dim=-1)
+        return u, z
+
+    def _ssm_decode(self, ssm_state: torch.Tensor, slots: torch.Tensor, u: torch.Tensor,
+                    z: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: u (after conv and silu), z: [S, D]; ssm_state updated at `slots`. -> [S, D]."""
+        dt_raw, B, C = self._ssm_inputs(u)
+        return selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias, self.neg_exp_A(), B, C,
+                                      self.D, z)
+
+    def _ssm_prefill(self, u: torch.Tensor, z: torch.Tensor, h0: torch.Tensor | None, offsets: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """One sequence's chunk: u, z [L, D]; h0 [D, N] or None. -> (y [L, D], final state, {offset: state})."""
+        dt_raw, B, C = self._ssm_inputs(u)
+        # the step is F.softplus(dt_raw + bias) in the model dtype, as transformers; the kernel takes it per token
+        return selective_scan_prefill(u, dt_raw, self.neg_exp_A(), B, C, h0, offsets, self.scan_chunk, D=self.D,
+                                      z=z, dt_bias=self.dt_proj.bias)
+
     def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         if self.states is None:
@@ -205,7 +226,7 @@ class MambaMixer(StatefulLayer):
             fused = self._fused_decode(x, meta)
             if fused is not None:
                 return fused
-        u, z = self.in_proj(x).chunk(2, dim=-1)  # [T, D] each
+        u, z = self._split_in_proj(self.in_proj(x))  # [T, D] each
         if meta.is_decode_only:
             return self.out_proj(self._decode(u, z, meta, list(range(len(meta.query_lens)))))
         # A sequence continuing by one token takes transformers' decode arithmetic, batched with the others.
@@ -262,10 +283,7 @@ class MambaMixer(StatefulLayer):
         # ~10x more on a one-token window)
         conv = causal_conv1d_decode(u, self._conv_weight(), self.conv1d.bias, conv_state, slots, float_accumulate=True,
                                     taps=self.conv_taps())
-        u = F.silu(conv)
-        dt_raw, B, C = self._ssm_inputs(u)
-        A = self.neg_exp_A()  # [D, N]
-        y = selective_state_update(ssm_state, slots, u, dt_raw, self.dt_proj.bias, A, B, C, self.D, z)
+        y = self._ssm_decode(ssm_state, slots, F.silu(conv), z)
         self._decode_checkpoints(meta, seqs, slots)
         return y
 
@@ -291,12 +309,8 @@ class MambaMixer(StatefulLayer):
         conv_out, padded = causal_conv1d_prefill(u.to(weight.dtype), weight, self.conv1d.bias,
                                                  conv_state[slot] if resume else None)
         u = F.silu(conv_out).to(u.dtype)  # [L, D]
-        dt_raw, B, C = self._ssm_inputs(u)
-        A = self.neg_exp_A()  # [D, N]
-        # the step is F.softplus(dt_raw + bias) in the model dtype, as transformers; the kernel takes it per token
-        y, h_last, states_at = selective_scan_prefill(u, dt_raw, A, B, C, ssm_state[slot] if resume else None,
-                                                      [off for off, _ in snaps], self.scan_chunk, D=self.D, z=z,
-                                                      dt_bias=self.dt_proj.bias)
+        y, h_last, states_at = self._ssm_prefill(u, z, ssm_state[slot] if resume else None,
+                                                 [off for off, _ in snaps])
         for off, dst in snaps:
             conv_state[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
             ssm_state[dst].copy_(states_at[off])

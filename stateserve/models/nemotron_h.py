@@ -169,9 +169,9 @@ class NemotronHMoE(nn.Module, ExpertMatrices):
         self.fc1_latent_proj = nn.Linear(H, latent, bias=bias) if latent else nn.Identity()
         self.fc2_latent_proj = nn.Linear(latent, H, bias=bias) if latent else nn.Identity()
 
-    def expert_matrices(self) -> dict[str, torch.Tensor]:
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
         E, I, D = self.num_experts, self.intermediate, self.expert_dim
-        return {"experts_up": self.experts_up.view(E, I, D), "experts_down": self.experts_down.view(E, D, I)}
+        return {"experts_up": (E, I, D), "experts_down": (E, D, I)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -185,7 +185,7 @@ class NemotronHMoE(nn.Module, ExpertMatrices):
     def _experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # h: [T, D]; the weighted sum is taken in float32 (transformers accumulates in the weights' dtype)
         E, D, k = self.num_experts, self.expert_dim, ids.shape[1]
-        matrices = self.expert_matrices() if self.expert_products is None else {}
+        matrices = self.expert_matrices()
         flat = ids.flatten()  # [T*k]: assignment a belongs to token a // k
         order = flat.argsort(stable=True)
         grouped = h[order // k]

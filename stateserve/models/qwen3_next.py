@@ -7,7 +7,7 @@ rotates only the first `partial_rotary_factor` of each head; a layer is MoE unle
 or misses `decoder_sparse_step`."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -48,7 +48,9 @@ def layer_types(cfg: Any) -> list[str]:
                  for i in range(cfg.num_hidden_layers)]
     types = list(types)[:cfg.num_hidden_layers]
     bad = sorted(set(types) - set(LAYER_TYPES))
-    if bad or len(types) != cfg.num_hidden_layers:
+    if bad:
+        raise ValueError(f"layer_types has unknown layer type(s) {bad}; each layer must be one of {LAYER_TYPES}")
+    if len(types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types must name {cfg.num_hidden_layers} layers from {LAYER_TYPES}; got {types}")
     return types
 
@@ -105,22 +107,21 @@ def is_moe_layer(cfg: Any, index: int) -> bool:
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, index: int, layer_type: str, dtype: torch.dtype) -> None:
+    """One decoder layer of the Qwen3-Next family (Qwen3.5 too): the mixer its layer type names, then the
+    feed-forward the model class built for it (`mlp`), each behind a (1 + w) RMSNorm with a residual."""
+
+    def __init__(self, cfg: Any, layer_type: str, mlp: nn.Module, dtype: torch.dtype,
+                 projection_layout: str) -> None:
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
                 cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, cfg.hidden_act, dtype)
+                cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, cfg.hidden_act, dtype,
+                layout=projection_layout)
         else:
             self.self_attn = Qwen3NextAttention(cfg, dtype)
-        if is_moe_layer(cfg, index):
-            self.mlp: nn.Module = SparseMoE(
-                cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                norm_topk_prob=cfg.norm_topk_prob, activation=cfg.hidden_act,
-                shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True)
-        else:
-            self.mlp = GatedMLPExpert(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, fused_checkpoint=False)
+        self.mlp = mlp
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -136,22 +137,38 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, mlps: list[nn.Module], projection_layout: str) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, i, t, dtype) for i, t in enumerate(layer_types(cfg)))
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, t, mlp, dtype, projection_layout)
+                                    for t, mlp in zip(layer_types(cfg), mlps))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3NextForCausalLM(ModelBase):
+    """Also the base of the Qwen3.5 classes (models/qwen3_5.py), which differ in the delta net's checkpoint
+    layout (`projection_layout`), the feed-forward of each layer (`build_mlp`) and checkpoint names."""
     is_hybrid = True
+    projection_layout: ClassVar[str] = "grouped"  # delta_rule.PROJECTION_LAYOUTS
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__(hf_config)
         cfg = hf_config
         self.dynamic_rope = rope_parameters(cfg)["rope_type"] == "dynamic"
-        self.model = Qwen3NextModel(cfg, dtype)
+        mlps = [self.build_mlp(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.model = Qwen3NextModel(cfg, dtype, mlps, self.projection_layout)
         self.add_lm_head(cfg)
+
+    @classmethod
+    def build_mlp(cls, cfg: Any, index: int) -> nn.Module:
+        """Layer `index`'s feed-forward: sparse MoE with a gated shared expert, or dense on the layers
+        `mlp_only_layers` / `decoder_sparse_step` leave out."""
+        if is_moe_layer(cfg, index):
+            return SparseMoE(
+                cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                norm_topk_prob=cfg.norm_topk_prob, activation=cfg.hidden_act,
+                shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True)
+        return GatedMLPExpert(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, fused_checkpoint=False)
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:

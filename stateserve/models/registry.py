@@ -16,14 +16,31 @@ _BUILTIN: dict[str, str] = {
     "NemotronHForCausalLM": "stateserve.models.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": "stateserve.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "stateserve.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "ZambaForCausalLM": "stateserve.models.zamba:ZambaForCausalLM",
     "Zamba2ForCausalLM": "stateserve.models.zamba2:Zamba2ForCausalLM",
     "Qwen3NextForCausalLM": "stateserve.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "stateserve.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "stateserve.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    "OlmoHybridForCausalLM": "stateserve.models.olmo_hybrid:OlmoHybridForCausalLM",
+    "Lfm2ForCausalLM": "stateserve.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "stateserve.models.lfm2_moe:Lfm2MoeForCausalLM",
+    "Lfm3ForCausalLM": "stateserve.models.lfm3:Lfm3ForCausalLM",
+    "KimiLinearForCausalLM": "stateserve.models.kimi_linear:KimiLinearForCausalLM",
     "BartForConditionalGeneration": "stateserve.models.bart:BartForConditionalGeneration",
     "T5ForConditionalGeneration": "stateserve.models.t5:T5ForConditionalGeneration",
     "WhisperForConditionalGeneration": "stateserve.models.whisper:WhisperForConditionalGeneration",
     "BertModel": "stateserve.models.bert:BertModel",
     "RobertaModel": "stateserve.models.bert:RobertaModel",
     "XLMRobertaModel": "stateserve.models.bert:XLMRobertaModel",
+}
+
+# architectures that are known and refused, with why (a clearer error than "not supported")
+_REFUSED: dict[str, str] = {
+    arch: (f"{arch} is a vision-language model (its config has a vision tower, vision_config); stateserve serves "
+           f"only its text model: use a config.json made of its text_config with architectures ['{causal}'] "
+           "(its model.language_model.* tensor names are accepted)")
+    for arch, causal in (("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+                         ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"))
 }
 
 
@@ -55,6 +72,8 @@ class _ModelRegistry:
 
     def resolve(self, architecture: str) -> type:
         entry = self._entries.get(architecture)
+        if entry is None and architecture in _REFUSED:
+            raise ValueError(_REFUSED[architecture])
         if entry is None or not self._available(entry):
             raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
                              f"{', '.join(self.get_supported_archs())}")

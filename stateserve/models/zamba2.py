@@ -19,7 +19,7 @@ tensors are tied copies and are skipped; without it, every depth has and loads i
 in transformers."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,14 +39,18 @@ from stateserve.layers.decoder_layer import rope_seq_lens
 _LAYER_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "hybrid": "hybrid"}
 
 
-def layer_kinds(cfg: Any) -> list[str]:
+def layer_kinds(cfg: Any, family: str = "Zamba2") -> list[str]:
+    """Each layer's kind, "mamba" or "hybrid" (Zamba v1 spells them the same way; `family` names it in errors)."""
     types = getattr(cfg, "layers_block_type", None)
     if types is None:
-        raise ValueError("Zamba2: the config has no layers_block_type")
+        raise ValueError(f"{family}: the config has no layers_block_type")
     types = list(types)
     bad = sorted({t for t in types if t not in _LAYER_KINDS})
-    if bad or len(types) != cfg.num_hidden_layers:
-        raise ValueError(f"Zamba2: layers_block_type must name {cfg.num_hidden_layers} layers from "
+    if bad:
+        raise ValueError(f"{family}: layers_block_type has unknown layer type(s) {bad}; each layer must be one of "
+                         f"{sorted(_LAYER_KINDS)}")
+    if len(types) != cfg.num_hidden_layers:
+        raise ValueError(f"{family}: layers_block_type must name {cfg.num_hidden_layers} layers from "
                          f"{sorted(_LAYER_KINDS)}; got {types}")
     return [_LAYER_KINDS[t] for t in types]
 
@@ -73,7 +77,8 @@ class Zamba2SharedAttention(nn.Module):
         self.qkv_proj = nn.Linear(width, sum(self.sizes), bias=False)
         stacked(self.qkv_proj.weight, self.sizes)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.use_adapters = bool(cfg.use_shared_attention_adapter)
+        # Zamba v1's config has neither flag: no adapters, no rotary
+        self.use_adapters = bool(getattr(cfg, "use_shared_attention_adapter", False))
         if self.use_adapters:
             if q_size != width or kv_size != width:
                 raise ValueError(f"Zamba2: use_shared_attention_adapter needs q and k/v widths equal to "
@@ -83,7 +88,7 @@ class Zamba2SharedAttention(nn.Module):
             self.linear_k_adapter_list = _adapter_list(*args)
             self.linear_v_adapter_list = _adapter_list(*args)
         self.rotary = (RotaryEmbedding(self.head_dim, rope_parameters(cfg), cfg.max_position_embeddings)
-                       if cfg.use_mem_rope else None)
+                       if getattr(cfg, "use_mem_rope", False) else None)
 
     def forward(self, x: torch.Tensor, depth: int, attn: Attention, positions: torch.Tensor, meta: AttnMetadata,
                 rope_lens: torch.Tensor | None) -> torch.Tensor:
@@ -146,10 +151,12 @@ def zamba2_mixer(cfg: Any, dtype: torch.dtype) -> Mamba2Mixer:
 
 
 class Zamba2MambaLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    """RMSNorm + a recurrent mixer with a residual: Zamba2's Mamba2 mixer, or the one given (Zamba v1's)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, mixer: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mamba = zamba2_mixer(cfg, dtype)
+        self.mamba = zamba2_mixer(cfg, dtype) if mixer is None else mixer
 
     def forward(self, x: torch.Tensor, meta: StateMetadata, extra: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, hidden]; extra: the shared block's contribution to this layer's input only
@@ -158,12 +165,16 @@ class Zamba2MambaLayer(nn.Module):
 
 
 class Zamba2HybridLayer(nn.Module):
-    def __init__(self, cfg: Any, shared: Zamba2SharedBlock, depth: int, dtype: torch.dtype) -> None:
+    """A shared block's use at one depth (`shared` is any module with Zamba2SharedBlock's forward and a
+    `self_attn` giving num_heads / num_kv_heads / head_dim), its linear, and the Mamba layer it feeds."""
+
+    def __init__(self, cfg: Any, shared: nn.Module, depth: int, dtype: torch.dtype,
+                 mamba_decoder: Zamba2MambaLayer | None = None) -> None:
         super().__init__()
         self.shared_transformer = shared  # the same module object at every depth that uses this block
         self.depth = depth
         self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.mamba_decoder = Zamba2MambaLayer(cfg, dtype)
+        self.mamba_decoder = Zamba2MambaLayer(cfg, dtype) if mamba_decoder is None else mamba_decoder
         attn = shared.self_attn
         # this depth's own KV cache: a paged Attention op outside the shared module
         self.attn = Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim, (attn.head_dim / 2) ** -0.5, dtype)
@@ -174,31 +185,42 @@ class Zamba2HybridLayer(nn.Module):
         return self.mamba_decoder(x, meta.state, self.linear(t))
 
 
+# (number of hybrid depths, block id) -> a shared block; () -> a Mamba layer (Zamba v1 passes its own of both)
+BlockFactory = Callable[[int, int], nn.Module]
+MambaFactory = Callable[[], Zamba2MambaLayer]
+
+
 class Zamba2Model(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, family: str = "Zamba2", num_blocks: int | None = None,
+                 make_block: BlockFactory | None = None, make_mamba: MambaFactory | None = None) -> None:
         super().__init__()
-        kinds = layer_kinds(cfg)
+        kinds = layer_kinds(cfg, family)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         num_depths = kinds.count("hybrid")
-        if num_depths and cfg.num_mem_blocks < 1:
-            raise ValueError(f"Zamba2: num_mem_blocks must be >= 1, got {cfg.num_mem_blocks}")
+        num_blocks = cfg.num_mem_blocks if num_blocks is None else num_blocks
+        if num_depths and num_blocks < 1:
+            raise ValueError(f"{family}: num_mem_blocks must be >= 1, got {num_blocks}")
+        make_block = make_block or (lambda depths, block_id: Zamba2SharedBlock(cfg, depths, block_id))
+        make_mamba = make_mamba or (lambda: Zamba2MambaLayer(cfg, dtype))
         # transformers ties a block's later depths to its first only under tie_word_embeddings (it applies every
         # _tied_weights_keys entry only then); otherwise each depth loads its own copy of the block
         share = bool(getattr(cfg, "tie_word_embeddings", False))
         layers: list[nn.Module] = []
         self.first_use: dict[int, int] = {}  # hybrid layer index -> layer index where its block's weights live
-        blocks: dict[int, tuple[int, Zamba2SharedBlock]] = {}  # block id -> (first layer, block), when shared
+        blocks: dict[int, tuple[int, nn.Module]] = {}  # block id -> (first layer, block), when shared
         depth = 0
         for i, kind in enumerate(kinds):
             if kind == "mamba":
-                layers.append(Zamba2MambaLayer(cfg, dtype))
+                layers.append(make_mamba())
                 continue
-            block_id = depth % cfg.num_mem_blocks
+            block_id = depth % num_blocks
             if share:
-                first, block = blocks.setdefault(block_id, (i, Zamba2SharedBlock(cfg, num_depths, block_id)))
+                if block_id not in blocks:
+                    blocks[block_id] = (i, make_block(num_depths, block_id))
+                first, block = blocks[block_id]
             else:
-                first, block = i, Zamba2SharedBlock(cfg, num_depths, block_id)
-            layers.append(Zamba2HybridLayer(cfg, block, depth, dtype))
+                first, block = i, make_block(num_depths, block_id)
+            layers.append(Zamba2HybridLayer(cfg, block, depth, dtype, make_mamba()))
             self.first_use[i] = first
             depth += 1
         self.layers = nn.ModuleList(layers)

@@ -1,0 +1,250 @@
+"""Kimi Linear (Kimi Delta Attention + MLA + MoE): greedy parity with transformers under batched chunked prefill,
+teacher-forced logits through the real caches, the chunked KDA rule against the token recurrence (and its
+snapshots), prefix caching with mamba_cache_mode all / align, preemption by recompute, and bad configs' errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import KimiLinearConfig, KimiLinearForCausalLM
+from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
+
+from stateserve import LLM, SamplingParams
+from stateserve.layers.delta_rule import l2norm
+from stateserve.layers.kda import chunk_kda_rule
+from utils import (assert_cache_sized, assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+                   hf_greedy, hf_logits, save_model)
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+            routed_scaling_factor=1.5, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            pad_token_id=2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=0.15)
+CASES = {
+    "base": {},
+    # the low-rank q path, attention bias, V wider than q.k heads, no top-k renormalisation, two dense layers
+    "variants": dict(q_lora_rank=24, attention_bias=True, v_head_dim=20, norm_topk_prob=False, n_group=1,
+                     mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+}
+PROMPTS = [list(range(5, 5 + n)) for n in (1, 9, 17, 40)] + [[250, 7, 11]]
+
+
+def _build(tmp_path, **extra):
+    hf = build_hf_model(KimiLinearConfig, KimiLinearForCausalLM, **{**BASE, **extra})
+    with torch.no_grad():  # slow decay (A in [0.05, 1]) so the recurrent state carries across many tokens
+        for layer in hf.model.layers:
+            if layer.block_type == "linear_attention":
+                gate = layer.self_attn.forget_gate
+                gate.A_log.copy_(torch.linspace(math.log(0.05), 0.0, gate.A_log.numel()).view_as(gate.A_log))
+    return hf, save_model(hf, str(tmp_path / "kimi_linear"))
+
+
+def _llm(path: str, **kw) -> LLM:
+    # 32 MiB of cache, not the default GiBs: zeroing those dominated each engine start
+    kw.setdefault("kv_cache_memory_bytes", 32 << 20)
+    return LLM(path, skip_tokenizer_init=True, **kw)
+
+
+def _params(max_new: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_parity_chunked(case, tmp_path):
+    hf, path = _build(tmp_path, **CASES[case])
+    ref = hf_greedy(hf, PROMPTS, 10)
+    with _llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(10))
+        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS, tol=1e-3)
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_teacher_forced_logits(case, tmp_path):
+    hf, path = _build(tmp_path, **CASES[case])
+    tokens = list(range(3, 80))  # 77 tokens: more than one 64-token KDA chunk
+    ref = hf_logits(hf, tokens)
+    with _llm(path) as llm:
+        for chunk in (1, 7, 64):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("kimi"))
+
+
+def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens with their logprobs: a wrong state may leave decisive tokens alone, not their logprobs."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(n, logprobs=0), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _assert_same(ours, ref, tol: float = 1e-4) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
+
+
+def _random_inputs(L: int, H: int = 3, Dk: int = 8, Dv: int = 5, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(L, H, Dk, generator=gen)) * Dk ** -0.5
+    k = l2norm(torch.randn(L, H, Dk, generator=gen))
+    v = torch.randn(L, H, Dv, generator=gen)
+    # per-channel log decays: most slow, some channels fast (-4 a token: exp(-cum) of a 64-token chunk would
+    # overflow float32, so the chunked form must not factor the decay that way)
+    g = -torch.rand(L, H, Dk, generator=gen) * 0.3
+    g[..., 0] = -4.0
+    beta = torch.rand(L, H, generator=gen)
+    s0 = torch.randn(H, Dk, Dv, generator=gen)
+    return q, k, v, g, beta, s0
+
+
+def _recurrence(q, k, v, g, beta, s0):
+    # transformers' token-by-token reference takes [B, L, H, D] and scales q itself: undo our scaling
+    out, state = recurrent_kimi_delta_attention(
+        (q * q.shape[-1] ** 0.5)[None], k[None], v[None], g[None], beta[None], initial_state=s0[None],
+        output_final_state=True)
+    return out[0], state[0]
+
+
+@pytest.mark.parametrize("L,chunk", [(1, 64), (37, 8), (130, 64)])
+def test_chunked_kda_rule_matches_token_recurrence(L, chunk):
+    q, k, v, g, beta, s0 = _random_inputs(L)
+    ref_out, ref_state = _recurrence(q, k, v, g, beta, s0)
+    offsets = tuple(sorted({1, L // 2 or 1, chunk - 1, chunk, L} & set(range(1, L + 1))))
+    t = lambda x: x.transpose(0, 1)  # noqa: E731  [L, H, ...] -> [H, L, ...]
+    out, state, snaps = chunk_kda_rule(t(q), t(k), t(v), t(g), beta.t(), s0, chunk, offsets)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(t(out), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state, atol=1e-5, rtol=1e-5)
+    for off in offsets:
+        _, prefix_state = _recurrence(q[:off], k[:off], v[:off], g[:off], beta[:off], s0)
+        torch.testing.assert_close(snaps[off], prefix_state, atol=1e-5, rtol=1e-5, msg=lambda m: f"@{off}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_prefix_cache_snapshots_exact(mode, base_model):
+    """KDA snapshots (block size 4, mid-chunk and at chunk ends) resumed from on a second pass: the cold run's
+    tokens and logprobs, with hits."""
+    _, path = base_model
+    shared = [(3 * j) % 290 + 5 for j in range(30)]
+    prompts = [shared + [7, 8], shared[:13] + [9], shared + [7, 8, 11], shared[:22] + [250, 3]]
+    with _llm(path, enable_prefix_caching=False, max_num_batched_tokens=16) as cold:
+        ref = _scored(cold, prompts)
+    with _llm(path, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
+             mamba_cache_mode=mode) as llm:
+        first = _scored(llm, prompts[:2])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], _params(6, logprobs=0), use_tqdm=False)
+        _assert_same(first, ref[:2])
+        _assert_same([(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                o.outputs[0].logprobs)])
+                      for o in outs], ref[2:])
+        assert min(o.num_cached_tokens for o in outs) >= 12  # really resumed from snapshots
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def test_preemption_recompute_gives_same_tokens(base_model):
+    """Fewer KV blocks than the running sequences need: some are preempted and recomputed (state slots freed and
+    re-zeroed), giving the tokens and logprobs of an engine with room for all."""
+    _, path = base_model
+    prompts = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=False)
+    with _llm(path, **kw) as roomy:
+        ref = _scored(roomy, prompts, 30)
+    with _llm(path, num_gpu_blocks_override=8, max_num_seqs=6, **kw) as tight:
+        assert_cache_sized(tight, 8, 6)
+        _assert_same(_scored(tight, prompts, 30), ref)
+        assert tight.llm_engine.stats["preemptions"] > 0
+        tight.llm_engine.check_integrity()
+        assert tight.llm_engine.cache.is_idle_and_full()
+
+
+def test_speculative_decoding_rolls_back_kda_state(base_model, monkeypatch):
+    """Drafts (30% wrong) verified beside prefill chunks, the KDA state rolled back to the last accepted token,
+    snapshots in mode all: the plain greedy tokens and logprobs on both passes (the second with prefix hits)."""
+    import random
+
+    from stateserve.spec_decode import speculator
+    from stateserve.spec_decode.proposer import Proposer
+
+    class Oracle(Proposer):
+        def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+            self.reference, self.rng = reference, random.Random(0)
+
+        def propose(self, wanted) -> None:
+            for req, k in wanted:
+                drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
+                req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
+
+    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
+    _, path = base_model
+    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
+    kw = dict(max_num_batched_tokens=32)
+    with _llm(path, enable_prefix_caching=False, **kw) as plain:
+        ref = _scored(plain, prompts, 16)
+    with _llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
+        llm.llm_engine.speculator.proposer = Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
+        for _ in range(2):
+            _assert_same(_scored(llm, prompts, 16), ref)
+        stats = llm.llm_engine.stats
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def test_weight_names_load_one_to_one(base_model):
+    from stateserve.models.kimi_linear import KimiLinearForCausalLM as Ours
+    from stateserve.models.loader import iterate_safetensors, load_weights
+
+    hf, path = base_model
+    ours = Ours(hf.config, torch.float32)
+    names = [n for n, _ in iterate_safetensors(path, show_progress=False)]
+    assert {ours.map_weight_name(n)[0] for n in names} == set(dict(ours.named_parameters()))
+    load_weights(ours, iterate_safetensors(path, show_progress=False))  # strict: every tensor lands, none missing
+    assert Ours.resolve_flags(hf.config) == (False, True)
+    only_kda = KimiLinearConfig(**{**BASE, "layer_types": ["linear_attention"] * 4})
+    only_mla = KimiLinearConfig(**{**BASE, "layer_types": ["full_attention"] * 4})
+    assert Ours.resolve_flags(only_kda) == (True, False) and Ours.resolve_flags(only_mla) == (False, False)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "unknown layer type(s) ['sliding_attention']"),
+    (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "mlp_layer_types must name 4 layers"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
+])
+def test_bad_config_is_refused(change, message):
+    from stateserve.models.kimi_linear import KimiLinearForCausalLM as Ours
+
+    cfg = KimiLinearConfig(**BASE)
+    for key, value in change.items():
+        object.__setattr__(cfg, key, value)  # past transformers' own checks: what a hand-written config.json holds
+    with pytest.raises(ValueError) as err:
+        Ours(cfg, torch.float32)
+    assert message in str(err.value)
+
+
+def test_mla_caches_the_compressed_latent(base_model):
+    """MLA layers keep one paged row per token of kv_lora_rank + qk_rope_head_dim values (their own spec and
+    layout), not per-head K and V; the decoded tokens are the ones the other tests compare with transformers."""
+    from stateserve.cache.spec import LatentKVCacheSpec
+
+    hf, path = base_model
+    cfg = hf.config
+    with _llm(path, block_size=16) as llm:
+        runner = llm.llm_engine.runner
+        kv_specs, _ = runner.cache_specs()
+        assert set(kv_specs) == {"model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"}
+        assert all(s == LatentKVCacheSpec(cfg.kv_lora_rank + cfg.qk_rope_head_dim, torch.float32)
+                   for s in kv_specs.values())
+        for rows, v in runner.caches.storage.kv.values():
+            assert rows.shape == (runner.caches.plan.num_blocks, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            assert v is None

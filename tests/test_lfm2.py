@@ -1,0 +1,303 @@
+"""Lfm2, Lfm2-MoE and LFM3 (short-conv state + paged attention) against transformers 5.24 on tiny random models:
+batched chunked-prefill greedy tokens, teacher-forced logits through the real caches, prefix-cache snapshots of the
+conv state (mamba_cache_mode all / align) with hits, preemption and recompute, the conv state after decode steps
+against transformers' after a full forward, speculative decoding's rollback of the conv state, weight names that
+load 1:1, and the errors of bad configs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from transformers import Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM, Lfm3Config, Lfm3ForCausalLM
+
+from stateserve import LLM, SamplingParams
+from stateserve.core.batch import SchedulerOutput, build_input_batch
+from stateserve.core.request import Request
+from stateserve.layers.short_conv import ShortConv
+from stateserve.models.lfm2 import Lfm2ForCausalLM as OurLfm2
+from stateserve.models.lfm2_moe import Lfm2MoeForCausalLM as OurLfm2Moe
+from stateserve.models.lfm3 import Lfm3ForCausalLM as OurLfm3
+from stateserve.models.loader import iterate_safetensors, load_weights
+from stateserve.spec_decode.proposer import Proposer
+from utils import (assert_cache_sized, assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy,
+                   hf_logits, save_model)
+
+COMMON = dict(vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+HYBRID = ["conv", "full_attention", "conv", "conv"]
+ARCHS = {
+    # conv biases on (in_proj, conv, out_proj); the MLP width adjusted: 2/3 of 96 times 1.5, rounded up to 16 -> 96
+    "lfm2": (Lfm2Config, Lfm2ForCausalLM, OurLfm2,
+             dict(intermediate_size=96, num_hidden_layers=4, layer_types=HYBRID, conv_bias=True,
+                  block_multiple_of=16, block_ffn_dim_multiplier=1.5)),
+    # one dense layer then MoE; the expert bias (perturbed below) changes which experts are picked; the LM head
+    # tied to the embeddings (LFM2's default: the file has no lm_head.weight)
+    "lfm2_moe": (Lfm2MoeConfig, Lfm2MoeForCausalLM, OurLfm2Moe,
+                 dict(intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4, num_dense_layers=1,
+                      num_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5, layer_types=HYBRID,
+                      tie_word_embeddings=True)),
+    # LFM3's default pattern over 6 layers (conv, conv, full, conv, sliding, conv), a 6-token window, proportional
+    # rope on the full layer, gated attention with biases, sandwich norms, a 4-tap conv
+    "lfm3": (Lfm3Config, Lfm3ForCausalLM, OurLfm3,
+             dict(intermediate_size=64, num_hidden_layers=6, head_dim=8, sliding_window=6, conv_L_cache=4,
+                  attention_bias=True)),
+}
+PROMPTS = [[250], [7, 3, 2], list(range(20, 29)), list(range(100, 116)), list(range(40, 57)),
+           [(17 * i) % 290 + 3 for i in range(40)]]
+
+
+def _build(arch: str, tmp_path, **extra):
+    config_cls, model_cls, _, base = ARCHS[arch]
+    hf = build_hf_model(config_cls, model_cls, **{**COMMON, **base, **extra})
+    # transformers initialises norms to ones and the expert bias to zeros: perturb them so a mis-wired one shows
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
+    return hf, save_model(hf, str(tmp_path / arch))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = _build(arch, tmp_path_factory.mktemp(arch))
+        return cache[arch]
+    return get
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def _run(llm: LLM, prompts, n: int = 6) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n),
+                                                         use_tqdm=False)]
+
+
+def _score(outputs) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens with their logprobs: a wrong state a few tokens long may leave decisive tokens alone, not
+    their logprobs."""
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outputs]
+
+
+def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
+    return _score(llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False))
+
+
+def _assert_same(ours, ref, tol: float = 1e-4) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_weight_names_load_one_to_one(arch, built):
+    hf, path = built(arch)
+    ours = ARCHS[arch][2](hf.config, torch.float32)
+    names = [n for n, _ in iterate_safetensors(path, show_progress=False)]  # the file's names (experts apart)
+    assert {ours.map_weight_name(n)[0] for n in names} == set(dict(ours.named_parameters()))
+    load_weights(ours, iterate_safetensors(path, show_progress=False))  # strict: every tensor lands, none missing
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_parity_chunked(arch, built):
+    hf, path = built(arch)
+    ref = hf_greedy(hf, PROMPTS, 10)
+    # 16-token steps: the 40-token prompt takes three chunks, and prefill chunks share steps with decodes
+    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        assert_greedy_matches(_run(llm, PROMPTS, 10), ref, hf, PROMPTS)
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_teacher_forced_logits(arch, built):
+    hf, path = built(arch)
+    tokens = [(7 * i) % 290 + 3 for i in range(40)]  # three KV blocks; far past LFM3's 6-token window
+    ref = hf_logits(hf, tokens)
+    with LLM(path, skip_tokenizer_init=True) as llm:
+        for chunk in (1, 7, 64):
+            # float32 throughout: observed max error ~4e-5 on logits up to ~17
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4,
+                                       msg=lambda m: f"chunk {chunk}: {m}")
+
+
+def _toks(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+_COLD: dict[str, list[tuple[list[int], list[float]]]] = {}
+
+
+@pytest.mark.parametrize("mode", ["all", "align"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prefix_cache_snapshots(arch, mode, built):
+    """Conv-state snapshots at block boundaries (block size 8, 16-token steps: taken mid-chunk in `all`), resumed
+    from on the second and third prompts: the tokens of a cold engine, with hits."""
+    _, path = built(arch)
+    bs = 8
+    shared = _toks(5 * bs + 3, 1)
+    prompts = [shared + _toks(9, 2), shared + _toks(20, 3), shared + _toks(2, 4)]
+    kw = dict(skip_tokenizer_init=True, block_size=bs, max_num_batched_tokens=16)
+    if arch not in _COLD:  # one cold run serves both modes
+        with LLM(path, enable_prefix_caching=False, **kw) as cold:
+            _COLD[arch] = _scored(cold, prompts)
+    ref = _COLD[arch]
+    with LLM(path, enable_prefix_caching=True, mamba_cache_mode=mode, **kw) as llm:
+        outs = [llm.generate([{"prompt_token_ids": p}], _greedy(6), use_tqdm=False)[0] for p in prompts]
+        _assert_same(_score(outs), ref)
+        hits = [o.num_cached_tokens for o in outs]
+        assert hits[0] == 0
+        if mode == "all":
+            assert hits[1] == hits[2] == 5 * bs
+        else:  # align: the second request ends a chunk where sharing stops, so the third gets the hit
+            assert hits[2] == 5 * bs
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+# six prompts of 20-35 tokens, 16 new tokens each: every sequence needs three to four 16-token blocks
+SIX_MIXED = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_preemption_recompute_gives_same_tokens(arch, built):
+    """8 KV blocks for 5 running sequences: some are preempted and recomputed (their conv slots freed and zeroed)
+    and give the tokens of an engine with room for all."""
+    _, path = built(arch)
+    num_blocks, max_seqs, new = 8, 5, 16
+    assert max_seqs * math.ceil((min(map(len, SIX_MIXED)) + new) / 16) > num_blocks
+    kw = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
+    with LLM(path, **kw) as roomy:
+        ref = _scored(roomy, SIX_MIXED, new)
+    with LLM(path, num_gpu_blocks_override=num_blocks, max_num_seqs=max_seqs, **kw) as tight:
+        assert_cache_sized(tight, num_blocks, max_seqs)
+        _assert_same(_scored(tight, SIX_MIXED, new), ref)
+        assert tight.llm_engine.stats["preemptions"] > 0
+        tight.llm_engine.check_integrity()
+        assert tight.llm_engine.cache.is_idle_and_full()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_conv_state_after_decode_matches_full_forward(arch, built):
+    """Through the engine's caches: a prompt of 13 tokens in chunks of 8 and 5, then 9 decode-only steps; each
+    short-conv layer's state is then the last K-1 conv inputs of transformers' full forward over all 22 tokens."""
+    hf, path = built(arch)
+    tokens = [(11 * i) % 290 + 3 for i in range(22)]
+    with torch.no_grad():
+        cache = hf(torch.tensor([tokens]), use_cache=True).cache
+    hf_types = hf.config.layer_types
+    with LLM(path, skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
+        engine, runner = llm.llm_engine, llm.llm_engine.runner
+        req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_index=0)
+        try:
+            with torch.inference_mode():
+                for n in [8, 5] + [1] * 9:
+                    engine.cache.allocate(req, n)
+                    sched = SchedulerOutput()
+                    sched.add(req, n)
+                    batch = build_input_batch(sched, runner.device)
+                    assert batch.is_decode_only == (n == 1)
+                    runner.model(batch.input_ids, batch.positions, runner.model_state.prepare_meta(batch))
+                    req.num_computed_tokens += n
+            convs = [(i, layer.conv) for i, layer in enumerate(runner.model.model.layers) if layer.layer_type == "conv"]
+            assert convs and [i for i, _ in convs] == [i for i, t in enumerate(hf_types) if t == "conv"]
+            for i, layer in convs:
+                assert isinstance(layer, ShortConv)
+                theirs = cache.layers[i].conv_states[0][0]  # [hidden, K]: transformers keeps K inputs
+                ours = layer.states["conv"][req.state_slot]  # [hidden, K-1]
+                torch.testing.assert_close(ours, theirs[:, 1:], atol=1e-5, rtol=1e-4, msg=lambda m: f"layer {i}: {m}")
+        finally:
+            engine.cache.free(req)
+
+
+class _Oracle(Proposer):
+    """Drafts plain decoding's next tokens, each replaced by a wrong one with probability 0.3, so every rollback
+    length happens."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.reference, self.rng = reference, random.Random(0)
+
+    def propose(self, wanted) -> None:
+        for req, k in wanted:
+            drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
+            req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3"])  # Lfm2-MoE's conv layers are Lfm2's
+def test_speculative_decoding_rolls_back_conv_state(arch, built, monkeypatch):
+    """Drafts verified in batched steps beside prefill chunks, the conv state rolled back to the last accepted
+    token, snapshots in mode all: the plain greedy tokens, on both passes (the second with prefix hits)."""
+    from stateserve.spec_decode import speculator
+
+    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
+    _, path = built(arch)
+    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
+    kw = dict(skip_tokenizer_init=True, max_num_batched_tokens=32)
+    with LLM(path, enable_prefix_caching=False, **kw) as plain:
+        ref = _scored(plain, prompts, 16)
+    with LLM(path, enable_prefix_caching=True, mamba_cache_mode="all",
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
+        llm.llm_engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
+        for _ in range(2):
+            _assert_same(_scored(llm, prompts, 16), ref)
+        stats = llm.llm_engine.stats
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def test_layer_mixes_route_and_run(tmp_path):
+    """Only conv layers: attention-free (no KV cache at all), logits still transformers'; only attention: the
+    plain decoder state (Lfm2Config's default without full_attn_idxs or layer_types)."""
+    assert OurLfm3.resolve_flags(Lfm3Config(**{**COMMON, **ARCHS["lfm3"][3]})) == (False, True)
+    tokens = list(range(3, 30))
+    for name, types in (("conv", ["conv", "conv"]), ("attention", None)):
+        # layer_types None (and no full_attn_idxs): Lfm2Config makes every layer attention
+        hf, path = _build("lfm2", tmp_path / name, num_hidden_layers=2, layer_types=types)
+        assert OurLfm2.resolve_flags(hf.config) == ((True, False) if types else (False, False))
+        with LLM(path, skip_tokenizer_init=True) as llm:
+            assert llm.llm_engine.model_config.is_attention_free == bool(types)
+            assert (llm.llm_engine.runner.caches.manager.slot_pool is None) == (not types)
+            with torch.no_grad():  # transformers' cache cannot count tokens without an attention layer
+                ref = hf(torch.tensor([tokens]), use_cache=False).logits[0]
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 9), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_bad_configs_name_what_is_wrong(tmp_path):
+    # transformers' config accepts (and normalises: mamba -> linear_attention) a set of type names; those of
+    # another family reach the model class
+    with pytest.raises(ValueError, match="unknown layer type 'linear_attention'"):
+        OurLfm2(Lfm2Config(**COMMON, num_hidden_layers=2, layer_types=["conv", "mamba"]), torch.float32)
+    with pytest.raises(ValueError, match="unknown layer type 'sliding_attention'"):  # LFM3's, not Lfm2's
+        OurLfm2(Lfm2Config(**COMMON, num_hidden_layers=2, layer_types=["conv", "sliding_attention"]), torch.float32)
+    with pytest.raises(ValueError, match="unknown layer type 'chunked_attention'"):
+        OurLfm3(Lfm3Config(**COMMON, num_hidden_layers=2, layer_types=["conv", "chunked_attention"]), torch.float32)
+    with pytest.raises(ValueError, match="Lfm2MoeForCausalLM: the config has no layer_types"):
+        OurLfm2Moe(Lfm2MoeConfig(**COMMON, num_hidden_layers=2), torch.float32)
+    vl = Lfm2Config(**COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    vl.vision_config = {"model_type": "siglip2_vision_model"}
+    with pytest.raises(ValueError, match="vision_config"):
+        OurLfm2(vl, torch.float32)
+    # through the engine: the folder's config names the bad layer type
+    _, path = _build("lfm2", tmp_path, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["layer_types"] = ["conv", "linear_attention"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="unknown layer type 'linear_attention'"):
+        LLM(path, skip_tokenizer_init=True)
