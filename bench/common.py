@@ -110,8 +110,24 @@ def model_folder(kind: str, size: str = "base", dtype: torch.dtype = torch.float
     return path
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that pick our kernels (a VM may hide some, e.g. AMX), so
+    that every result names the machine it came from; the architecture alone where /proc/cpuinfo is absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+             if f in flags]
+    return f"{model} ({' '.join(shown) or 'no AVX2'})"
+
+
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

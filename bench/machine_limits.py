@@ -112,7 +112,10 @@ def decode_roofline(folder: str, dtype: str, limits: dict) -> dict:
 
 
 def format_limits(limits: dict) -> str:
-    lines = [f"Machine limits ({limits['threads']} threads, best of repeated runs):",
+    from common import cpu_name  # bench/ is on sys.path wherever these scripts run
+
+    lines = [f"CPU: {cpu_name()}",
+             f"Machine limits ({limits['threads']} threads, best of repeated runs):",
              f"  {'dtype':<9} {'copy GB/s':>10} {'GEMV GB/s':>10} {'GEMV GFLOP/s':>13} {'matmul GFLOP/s':>15}"]
     for name in DTYPES:
         d = limits[name]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -27,7 +26,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 import throughput  # noqa: E402
-from common import MODEL_DIR, machine, model_folder, write_json  # noqa: E402
+from common import MODEL_DIR, cpu_name, machine, model_folder, write_json  # noqa: E402
 
 RANDOM_KINDS = ("llama", "mamba2", "bamba")  # bamba: the hybrid (Mamba2 layers and attention)
 DEMO_MODELS = ("llama-demo", "mamba2-demo", "hybrid-demo")
@@ -43,17 +42,6 @@ SHAPES = {"base": (96, 16, 128), "small": (48, 8, 32)}  # size -> (passage, rest
 WORKLOADS = ("copy", "nocopy")
 SEEDS = {"copy": 11, "nocopy": 12}
 TARGETS = {"copy_vs_ss": 2.0, "copy_vs_peer": 1.3, "nocopy_vs_ss": 0.95}  # the targets, at 1 request
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def resolve_model(name: str, args: argparse.Namespace) -> str:
@@ -336,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = os.path.join(args.out, f"spec_decode-{stamp}-logs")
     os.makedirs(log_dir, exist_ok=True)
-    header = (f"CPU: {cpu_model()}; {args.threads} thread(s); {args.dtype}; {args.max_tokens} new tokens per request; "
+    header = (f"CPU: {cpu_name()}; {args.threads} thread(s); {args.dtype}; {args.max_tokens} new tokens per request; "
               f"k={args.num_speculative_tokens}, ngram {args.prompt_lookup_min}-{args.prompt_lookup_max}")
     print(header, flush=True)
     rows = []
@@ -348,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in row["cells"].values():
             c["first_output"] = (c.pop("outputs", None) or [None])[0]
     # machine()'s threads are this process's torch threads, not the engines': --threads replaces them
-    write_json(path, {"machine": dict(machine(), cpu_model=cpu_model(), threads=args.threads), "args": vars(args),
+    write_json(path, {"machine": dict(machine(), threads=args.threads), "args": vars(args),
                       "rows": rows,
                       "shapes": dict(zip(("passage", "restart", "default_max_tokens"), SHAPES[args.size]))})
     print(f"\nwrote {path} (engine logs in {log_dir})")
