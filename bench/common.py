@@ -15,6 +15,10 @@ def _configs(size: str) -> dict:
     from transformers import (BambaConfig, JambaConfig, LlamaConfig, Lfm2Config, Mamba2Config, MambaConfig,
                               OlmoHybridConfig, Qwen3_5TextConfig)
     from transformers import KimiLinearConfig
+    from transformers import BailingHybridConfig
+    from transformers import MiniMaxConfig
+    from transformers import RecurrentGemmaConfig
+    from transformers import xLSTMConfig
 
     if size == "small":  # quick runs: a few seconds per measurement on 2 cores
         h, layers, vocab = 256, 4, 8192
@@ -87,10 +91,49 @@ def _configs(size: str) -> dict:
                                                max_position_embeddings=8192,
                                                # its defaults (163584..163839) lie outside this vocab
                                                pad_token_id=None, bos_token_id=1, eos_token_id=2)),
+        # Bailing Hybrid (Ling 3): Kimi Linear's base shapes with its own layers: three KDA layers (full-rank gates,
+        # the bounded "safe" gate) per MLA layer (rotary part 32, a per-head output gate); first layer dense, then
+        # MoE of 8 experts of 192 (top 2) + a shared one: base is ~136M (the full-rank gates add ~1M a KDA layer)
+        "bailing_hybrid": (BailingHybridConfig, dict(vocab_size=vocab, hidden_size=h,
+                                                     intermediate_size=h * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                                                     num_attention_heads=h // 64, num_key_value_heads=h // 64,
+                                                     head_dim=64, kv_lora_rank=256, q_lora_rank=None,
+                                                     qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                                                     layer_group_size=4, first_k_dense_replace=1,
+                                                     moe_intermediate_size=192, num_local_experts=8,
+                                                     num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                     tie_word_embeddings=False, max_position_embeddings=8192,
+                                                     # its defaults (156892..156895) lie outside this vocab
+                                                     pad_token_id=None, bos_token_id=1, eos_token_id=2)),
+        # MiniMax: three lightning-attention layers (heads of 64) per full-attention layer (GQA 3:1, rotary), every
+        # layer a MoE of 8 experts of 192 (top 2), no dense MLP: base is ~123M
+        "minimax": (MiniMaxConfig, dict(vocab_size=vocab, hidden_size=h, intermediate_size=192,
+                                        num_hidden_layers=layers,
+                                        num_attention_heads=h // 64, num_key_value_heads=max(1, h // 64 // 3),
+                                        head_dim=64, num_local_experts=8, num_experts_per_tok=2,
+                                        layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                                     for i in range(layers)],
+                                        tie_word_embeddings=False, max_position_embeddings=8192,
+                                        pad_token_id=None, bos_token_id=1, eos_token_id=2)),
+        # RecurrentGemma (Griffin): two RG-LRU recurrent blocks per local-attention block (its default pattern; MQA,
+        # heads of 64, a 2048-token window), the LRU as wide as hidden, an MLP of ~11h/3 (intermediate_size is
+        # twice the MLP width: transformers halves it), embeddings tied as released: base is ~122M
+        "recurrent_gemma": (RecurrentGemmaConfig, dict(vocab_size=vocab, hidden_size=h, lru_width=h,
+                                                       intermediate_size=2 * (h * 11 // 3 // 64 * 64),
+                                                       num_hidden_layers=layers, num_attention_heads=h // 64,
+                                                       num_key_value_heads=1, attention_window_size=2048,
+                                                       conv1d_width=4, block_types=["recurrent", "recurrent",
+                                                                                    "attention"],
+                                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+        # xLSTM (xLSTM Large's layout): mLSTM blocks only, 4 heads (q/k of 96, v of 192: transformers' qk and v
+        # factors 0.5 and 1), its SwiGLU of 2.667h rounded to 64, an untied LM head: base is ~134M (llama's ~134M)
+        "xlstm": (xLSTMConfig, dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_heads=4,
+                                    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     }
 
 
-KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba", "lfm2", "qwen3_5", "olmo_hybrid", "kimi_linear")
+KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba", "lfm2", "qwen3_5", "olmo_hybrid", "kimi_linear",
+         "bailing_hybrid", "recurrent_gemma", "minimax", "xlstm")
 
 
 def model_folder(kind: str, size: str = "base", dtype: torch.dtype = torch.float32) -> str:

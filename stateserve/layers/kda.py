@@ -103,11 +103,18 @@ class KimiDeltaAttention(StatefulLayer):
     State per sequence: "conv" [3 * H * D, K-1] (model dtype; q, k, v channels) and "ssm" [H, D, D] (float32).
     Parameters follow transformers' names, with q/k/v_proj fused into qkv_proj and the three q/k/v_conv1d of the
     checkpoint into conv1d (stacked shards); the forget gate's f_a_proj, f_b_proj, dt_bias [H*D] (kept float32) and
-    A_log [1, 1, H, 1] sit on this layer as in the checkpoint."""
+    A_log [1, 1, H, 1] sit on this layer as in the checkpoint.
+
+    Bailing Hybrid's variant (models/bailing_hybrid.py) differs only in the gates: `low_rank_gates=False` makes the
+    forget and output gates one full-rank projection each (f_proj, g_proj [H*D, hidden]) with A_log [H], and
+    `gate_lower_bound` (its "safe gate") bounds the log decay to lower_bound * sigmoid(exp(A) * (f + dt_bias))
+    instead of Kimi's -exp(A) * softplus(f + dt_bias)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float,
-                 activation: str, dtype: torch.dtype, chunk_size: int = 64) -> None:
+                 activation: str, dtype: torch.dtype, chunk_size: int = 64, low_rank_gates: bool = True,
+                 gate_lower_bound: float | None = None) -> None:
         super().__init__()
+        self.low_rank_gates, self.gate_lower_bound = low_rank_gates, gate_lower_bound
         self.num_heads, self.head_dim = num_heads, head_dim
         self.qkv_dim = num_heads * head_dim
         self.conv_dim = 3 * self.qkv_dim
@@ -117,14 +124,19 @@ class KimiDeltaAttention(StatefulLayer):
         stacked(self.qkv_proj.weight, [self.qkv_dim] * 3)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         stacked(self.conv1d.weight, [self.qkv_dim] * 3)
-        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.f_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False)
+        if low_rank_gates:  # Kimi: hidden -> head_dim -> H*D for both gates
+            self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.f_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False)
+            self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+            self.g_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False)
+        else:  # Bailing: hidden -> H*D directly
+            self.f_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
+            self.g_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(self.qkv_dim))
-        # deterministic decay rates spread over transformers' init range [1, 16]
-        self.A_log = nn.Parameter(torch.linspace(0.0, 2.77, num_heads).view(1, 1, num_heads, 1))
+        # deterministic decay rates spread over transformers' init range [1, 16], in the checkpoint's shape
+        a_log = torch.linspace(0.0, 2.77, num_heads)
+        self.A_log = nn.Parameter(a_log.view(1, 1, num_heads, 1) if low_rank_gates else a_log)
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.g_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(head_dim, eps)
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
 
@@ -141,8 +153,13 @@ class KimiDeltaAttention(StatefulLayer):
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> per-channel log decays g [T, H, D] and beta [T, H], both float32."""
         T = x.shape[0]
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = self.neg_exp_A().view(self.num_heads, 1) * kda_softplus(f.view(T, self.num_heads, self.head_dim))
+        f = self.f_b_proj(self.f_a_proj(x)) if self.low_rank_gates else self.f_proj(x)
+        f = (f.float() + self.dt_bias.float()).view(T, self.num_heads, self.head_dim)
+        neg_a = self.neg_exp_A().view(self.num_heads, 1)  # -exp(A_log) per head
+        if self.gate_lower_bound is None:
+            g = neg_a * kda_softplus(f)
+        else:  # bounded: every channel keeps at least exp(lower_bound) of its state per token
+            g = self.gate_lower_bound * torch.sigmoid(-neg_a * f)
         return g, torch.sigmoid(self.b_proj(x)).float()
 
     def _qkv(self, conv_out: torch.Tensor):
@@ -159,7 +176,8 @@ class KimiDeltaAttention(StatefulLayer):
             core = self._decode(mixed, g, beta, meta)
         else:
             core = self._prefill(mixed, g, beta, meta)  # [T, H, D] float32
-        gate = self.g_b_proj(self.g_a_proj(x)).view(x.shape[0], self.num_heads, self.head_dim)
+        gate = self.g_b_proj(self.g_a_proj(x)) if self.low_rank_gates else self.g_proj(x)
+        gate = gate.view(x.shape[0], self.num_heads, self.head_dim)
         # transformers rounds the core output to the model dtype before the norm
         out = self.o_norm(core.to(x.dtype), gate, x.dtype)
         return self.o_proj(out.flatten(1))

@@ -46,22 +46,22 @@ class KimiRMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def layer_types(cfg: Any) -> list[str]:
+def layer_types(cfg: Any, family: str = "Kimi Linear") -> list[str]:
     types = list(getattr(cfg, "layer_types", None) or [])[:cfg.num_hidden_layers]
     bad = sorted({str(t) for t in types} - set(LAYER_TYPES))
     if bad:
-        raise ValueError(f"Kimi Linear: layer_types has unknown layer type(s) {bad}; each layer must be one of "
+        raise ValueError(f"{family}: layer_types has unknown layer type(s) {bad}; each layer must be one of "
                          f"{LAYER_TYPES}")
     if len(types) != cfg.num_hidden_layers:
-        raise ValueError(f"Kimi Linear: layer_types must name {cfg.num_hidden_layers} layers; got {types}")
+        raise ValueError(f"{family}: layer_types must name {cfg.num_hidden_layers} layers; got {types}")
     return types
 
 
-def mlp_types(cfg: Any) -> list[str]:
+def mlp_types(cfg: Any, family: str = "Kimi Linear") -> list[str]:
     types = list(getattr(cfg, "mlp_layer_types", None) or [])[:cfg.num_hidden_layers]
     bad = sorted({str(t) for t in types} - set(MLP_TYPES))
     if bad or len(types) != cfg.num_hidden_layers:
-        raise ValueError(f"Kimi Linear: mlp_layer_types must name {cfg.num_hidden_layers} layers from {MLP_TYPES}; "
+        raise ValueError(f"{family}: mlp_layer_types must name {cfg.num_hidden_layers} layers from {MLP_TYPES}; "
                          f"got {types}")
     return types
 
@@ -104,18 +104,30 @@ class KimiMLA(nn.Module):
         # the score scale stays transformers' 1 / sqrt(qk_head_dim), whatever width the absorbed queries have
         self.attn = LatentAttention(H, self.rank + self.rope, self.rank, self.qk_dim ** -0.5, dtype)
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
+    def encode_positions(self, q_rope: torch.Tensor, k_rot: torch.Tensor,
+                         positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_rope [T, H, rope], k_rot [T, rope] as the cache and scores take them: Kimi's MLA is NoPE, so as they
+        are (Bailing Hybrid's subclass rotates them)."""
+        return q_rope, k_rot
+
+    def gate_heads(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], out [T, H, v] before o_proj: no output gate here (Bailing Hybrid has one per head)."""
+        return out
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]; positions [T] for subclasses with a rotary part
         T, H = x.shape[0], self.num_heads
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(T, H, self.qk_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        q_rope, k_rot = self.encode_positions(q_rope, k_rot, positions)
         rows = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [T, rank + rope]: what the cache keeps
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_k, w_v = w[:, :self.nope], w[:, self.nope:]  # [H, nope, rank], [H, v, rank]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_k)  # q_nope . (W_k c) == (q_nope W_k) . c
         out = self.attn(torch.cat([q_latent, q_rope], dim=-1), rows, meta)  # [T, H, rank]
-        return self.o_proj(torch.einsum("thr,hvr->thv", out, w_v).reshape(T, H * self.v_dim))
+        out = self.gate_heads(x, torch.einsum("thr,hvr->thv", out, w_v))  # [T, H, v]
+        return self.o_proj(out.reshape(T, H * self.v_dim))
 
 
 class KimiMoE(SparseMoE):
@@ -177,6 +189,7 @@ class KimiLinearModel(nn.Module):
 
 class KimiLinearForCausalLM(ModelBase):
     is_hybrid = True
+    family = "Kimi Linear"  # names the model in config errors (Bailing Hybrid's subclass has its own)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__(hf_config)
@@ -186,7 +199,7 @@ class KimiLinearForCausalLM(ModelBase):
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:
         """(is_attention_free, is_hybrid): a config may use only one kind of mixer."""
-        types = set(layer_types(hf_config))
+        types = set(layer_types(hf_config, cls.family))
         return "full_attention" not in types, types == set(LAYER_TYPES)
 
     @classmethod

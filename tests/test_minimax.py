@@ -1,0 +1,194 @@
+"""MiniMax (lightning attention + full attention, MoE everywhere): the chunked lightning rule against the token
+recurrence (and its snapshots), greedy parity with transformers under batched chunked prefill, teacher-forced logits
+through the real caches, prefix caching with mamba_cache_mode all / align, preemption by recompute, weight names, and
+bad configs' errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+from stateserve import LLM, SamplingParams
+from stateserve.layers.lightning import chunk_lightning, lightning_slopes
+from utils import (assert_cache_sized, assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+                   hf_greedy, hf_logits, save_model)
+
+# transformers' lightning block_size 16: its prefill crosses blocks (ours uses chunks of 64)
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+            pad_token_id=2, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, initializer_range=0.15)
+CASES = {
+    "base": {},
+    # weighted residuals (MiniMax-Text-01 sets alpha to about 3.6 for 80 layers), transformers' default pattern
+    "variants": dict(linear_attn_alpha_factor=1.5, linear_attn_beta_factor=0.5, full_attn_alpha_factor=0.8,
+                     full_attn_beta_factor=1.2, mlp_alpha_factor=1.3, mlp_beta_factor=0.7, num_key_value_heads=4,
+                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+}
+PROMPTS = [list(range(5, 5 + n)) for n in (1, 9, 17, 40)] + [[250, 7, 11]]
+
+
+def _build(tmp_path, **extra):
+    hf = build_hf_model(MiniMaxConfig, MiniMaxForCausalLM, **{**BASE, **extra})
+    return hf, save_model(hf, str(tmp_path / "minimax"))
+
+
+def _llm(path: str, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_bytes", 32 << 20)  # a small cache: zeroing GiBs dominated each engine start
+    return LLM(path, skip_tokenizer_init=True, **kw)
+
+
+def _params(max_new: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, **kw)
+
+
+def _recurrence(q, k, v, slopes, s0):
+    """The definition, token by token: S_t = exp(-slope) S_{t-1} + k_t^T v_t, o_t = q_t S_t. [H, L, D] inputs."""
+    state, outs, states = s0, [], []
+    decay = torch.exp(-slopes).view(-1, 1, 1)
+    for t in range(q.shape[1]):
+        state = decay * state + k[:, t, :, None] * v[:, t, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[:, t], state))
+        states.append(state)
+    return torch.stack(outs, 1), states
+
+
+@pytest.mark.parametrize("L,chunk", [(1, 64), (37, 8), (130, 64)])
+def test_chunked_lightning_matches_token_recurrence(L, chunk):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, L, 8, generator=gen) * 0.5 for _ in range(3))
+    s0 = torch.randn(4, 8, 8, generator=gen)
+    slopes = lightning_slopes(4, 0, 4)  # the fastest decays of a model: exp(-0.25 * 64) stays finite
+    offsets = tuple(sorted({1, L // 2 or 1, chunk - 1, chunk, L} & set(range(1, L + 1))))
+    out, state, snaps = chunk_lightning(q, k, v, slopes, s0, chunk, offsets)
+    ref_out, ref_states = _recurrence(q, k, v, slopes, s0)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_states[-1], atol=1e-4, rtol=1e-4)
+    for off in offsets:
+        torch.testing.assert_close(snaps[off], ref_states[off - 1], atol=1e-4, rtol=1e-4, msg=lambda m: f"@{off}: {m}")
+
+
+def _assert_logprobs_match(hf, prompts, outs, tol: float = 1e-3) -> None:
+    """Each decoded token's logprob equals transformers' over the same tokens (teacher-forced): decisive tokens can
+    survive a slightly wrong decode state, their logprobs cannot."""
+    for p, o in zip(prompts, outs, strict=True):
+        tokens = o.outputs[0].token_ids
+        ref = torch.log_softmax(hf_logits(hf, p + tokens[:-1])[len(p) - 1:], dim=-1)  # [len(tokens), vocab]
+        ours = [lp[t].logprob for t, lp in zip(tokens, o.outputs[0].logprobs)]
+        diff = max(abs(a - float(ref[j, t])) for j, (a, t) in enumerate(zip(ours, tokens)))
+        assert diff < tol, (p, tokens, diff)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_parity_chunked(case, tmp_path):
+    hf, path = _build(tmp_path, **CASES[case])
+    ref = hf_greedy(hf, PROMPTS, 10)
+    with _llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(10, logprobs=0))
+        assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS, tol=1e-3)
+        _assert_logprobs_match(hf, PROMPTS, outs)
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_teacher_forced_logits(case, tmp_path):
+    hf, path = _build(tmp_path, **CASES[case])
+    tokens = list(range(3, 80))  # 77 tokens: more than one 64-token chunk, several of transformers' 16-token blocks
+    ref = hf_logits(hf, tokens)
+    with _llm(path) as llm:
+        for chunk in (1, 7, 64):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("minimax"))
+
+
+def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens with their logprobs: a wrong state may leave decisive tokens alone, not their logprobs."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(n, logprobs=0), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _assert_same(ours, ref, tol: float = 1e-4) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
+
+
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_prefix_cache_snapshots_exact(mode, base_model):
+    """Lightning-attention snapshots and KV blocks (block size 4) resumed from on a second pass: the cold run's tokens
+    and logprobs, with hits."""
+    _, path = base_model
+    shared = [(3 * j) % 290 + 5 for j in range(30)]
+    prompts = [shared + [7, 8], shared[:13] + [9], shared + [7, 8, 11], shared[:22] + [250, 3]]
+    with _llm(path, enable_prefix_caching=False, max_num_batched_tokens=16) as cold:
+        ref = _scored(cold, prompts)
+    with _llm(path, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
+              mamba_cache_mode=mode) as llm:
+        first = _scored(llm, prompts[:2])
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], _params(6, logprobs=0), use_tqdm=False)
+        _assert_same(first, ref[:2])
+        _assert_same([(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                o.outputs[0].logprobs)])
+                      for o in outs], ref[2:])
+        assert min(o.num_cached_tokens for o in outs) >= 12  # really resumed from snapshots
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def test_preemption_recompute_gives_same_tokens(base_model):
+    """Fewer KV blocks than the running sequences need: some are preempted and recomputed (state slots freed and
+    re-zeroed), giving the tokens and logprobs of an engine with room for all."""
+    _, path = base_model
+    prompts = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=False)
+    with _llm(path, **kw) as roomy:
+        ref = _scored(roomy, prompts, 30)
+    with _llm(path, num_gpu_blocks_override=8, max_num_seqs=6, **kw) as tight:
+        assert_cache_sized(tight, 8, 6)
+        _assert_same(_scored(tight, prompts, 30), ref)
+        assert tight.llm_engine.stats["preemptions"] > 0
+        tight.llm_engine.check_integrity()
+        assert tight.llm_engine.cache.is_idle_and_full()
+
+
+def test_weight_names_load_one_to_one(base_model):
+    from stateserve.models.loader import iterate_safetensors, load_weights
+    from stateserve.models.minimax import MiniMaxForCausalLM as Ours
+
+    hf, path = base_model
+    ours = Ours(hf.config, torch.float32)
+    names = [n for n, _ in iterate_safetensors(path, show_progress=False)]
+    mapped = {t[0] for n in names if (t := ours.map_weight_name(n)) is not None}
+    assert mapped == set(dict(ours.named_parameters()))
+    load_weights(ours, iterate_safetensors(path, show_progress=False))  # strict: every tensor lands, none missing
+    for layer, hf_layer in zip(ours.model.layers, hf.model.layers):  # the recomputed decay rates are transformers'
+        if layer.layer_type == "linear_attention":
+            torch.testing.assert_close(layer.self_attn.slopes, hf_layer.self_attn.slope_rate.flatten())
+    assert Ours.resolve_flags(hf.config) == (False, True)
+    only_linear = MiniMaxConfig(**{**BASE, "layer_types": ["linear_attention"] * 4})
+    assert Ours.resolve_flags(only_linear) == (True, False)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
+     "MiniMax: layer_types has unknown layer type(s) ['sliding_attention']"),
+    (dict(sliding_window=32), "MiniMax: sliding_window=32 is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0}),
+     "rope_type 'yarn' is not supported"),
+])
+def test_bad_config_is_refused(change, message):
+    from stateserve.models.minimax import MiniMaxForCausalLM as Ours
+
+    cfg = MiniMaxConfig(**BASE)
+    for key, value in change.items():
+        object.__setattr__(cfg, key, value)  # past transformers' own checks: what a hand-written config.json holds
+    with pytest.raises(ValueError) as err:
+        Ours(cfg, torch.float32)
+    assert message in str(err.value)
