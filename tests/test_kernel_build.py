@@ -45,6 +45,38 @@ def test_a_build_says_it_is_compiling_and_a_built_module_does_not(tmp_path, monk
     assert fresh_load() == []
 
 
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch, caplog):
+    """torch's builder marks a folder being built with a `lock` file and polls until it disappears; a build that was
+    killed leaves it behind. The next load must build anyway (here: a process that took the folder's lock, wrote the
+    marker as torch does and died), not wait forever."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("STATESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STATESERVE_CPU_KERNELS", "1")
+    envs.disable_envs_cache()
+    folder = tmp_path / "cpu_kernels" / cpu_kernels.build_tag()[0]
+    folder.mkdir(parents=True)
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os; from stateserve.platform import cpu_kernels\n"
+        f"with cpu_kernels._build_folder_lock({str(folder)!r}):\n"
+        f"    open(os.path.join({str(folder)!r}, 'lock'), 'w').close()\n"
+        "    os._exit(9)  # killed in the middle of the build\n")], timeout=60)
+    assert killed.returncode == 9 and (folder / "lock").exists()
+
+    built = object()
+
+    def fake_build(build_directory, **kwargs):  # torch's builder in small: it would poll the marker forever
+        assert not os.path.exists(os.path.join(build_directory, "lock")), "the stale marker would block this build"
+        return built
+
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    with caplog.at_level("WARNING", logger="stateserve"):
+        assert cpu_kernels.load() is built
+    assert any("left by a build that was killed" in r.getMessage() for r in caplog.records)
+
+
 # Two CPUs of one cluster: the same x86-64 base, and only the second with AVX-512 (what -march=native compiles for)
 CPU_AVX2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2"
 CPU_AVX512 = CPU_AVX2 + " avx512f avx512bw avx512vl avx512_bf16"

@@ -9,6 +9,7 @@ container image built on another host) holds one build per CPU instead of handin
 would die with SIGILL at its first unknown instruction."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -80,6 +81,29 @@ def build_tag(csrc: str | None = None) -> tuple[str, str]:
     return digest.hexdigest() + ("" if variant == "native" else f"-{variant}"), isa
 
 
+@contextlib.contextmanager
+def _build_folder_lock(build_dir: str):
+    """One builder per folder at a time, held by the kernel (flock): a process killed mid-build releases it, where
+    torch's own marker file (`lock`, which its builder polls until it disappears) outlives the process and made
+    every later build of the folder wait forever. Whoever holds this lock is the only live builder, so a `lock`
+    file found under it is such a leftover and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's marker alone, as before
+        yield
+        return
+    with open(os.path.join(build_dir, "build.flock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a build that was killed", stale)
+            os.remove(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def load():
     """The compiled module, or None when unavailable."""
     global _module, _failed
@@ -113,14 +137,15 @@ def load():
                     # the first run of a fresh checkout sits here for minutes; say why
                     logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
                                    "once per change of the sources and per kind of CPU)", build_dir)
-                _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
-                                # the tag is a flag as well: torch's own check then rebuilds a folder that
-                                # another CPU's build reached by any other way
-                                extra_cflags=["-O3", "-march=native", *ISA_FLAGS[variant], "-fopenmp",
-                                              f"-DSTATESERVE_SIMD_H={header}",
-                                              f"-DSTATESERVE_CPU_TAG={tag.replace('-', '_')}"],
-                                extra_ldflags=["-fopenmp"],
-                                verbose=False)
+                with _build_folder_lock(build_dir):
+                    _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
+                                    # the tag is a flag as well: torch's own check then rebuilds a folder that
+                                    # another CPU's build reached by any other way
+                                    extra_cflags=["-O3", "-march=native", *ISA_FLAGS[variant], "-fopenmp",
+                                                  f"-DSTATESERVE_SIMD_H={header}",
+                                                  f"-DSTATESERVE_CPU_TAG={tag.replace('-', '_')}"],
+                                    extra_ldflags=["-fopenmp"],
+                                    verbose=False)
             except Exception as e:  # any build problem: run the PyTorch path instead
                 _failed = True
                 logger.warning("CPU kernels unavailable (%s); using the PyTorch fallback", e)
