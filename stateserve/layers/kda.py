@@ -19,7 +19,8 @@ from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds)
+                                         conv_state_at, sequence_chunks, verify_rounds,
+                                         zero_fresh_slots)
 
 
 def chunk_kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -212,11 +213,7 @@ class KimiDeltaAttention(StatefulLayer):
         # one token per sequence: mixed [S, 3*H*D], g [S, H, D], beta [S, H] -> [S, H, D] float32
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         slots = meta.slots
-        fresh = [i for i, has in enumerate(meta.has_initial_state) if not has]
-        if fresh:  # a one-token first chunk starts from zeros, not from whatever the slot held
-            rows = slots[torch.tensor(fresh, device=slots.device)]
-            conv_state.index_fill_(0, rows, 0)
-            ssm_state.index_fill_(0, rows, 0)
+        zero_fresh_slots(meta, slots, (conv_state, ssm_state))
         y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, taps=self.conv_taps())
         q, k, v = self._qkv(self.act(y).to(mixed.dtype))
         state = ssm_state[slots] * g.exp().unsqueeze(-1)  # [S, H, Dk, Dv], each key channel decayed

@@ -20,7 +20,8 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
-from stateserve.layers.recurrent import StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds
+from stateserve.layers.recurrent import (StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds,
+                                         zero_fresh_slots)
 
 
 def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
@@ -123,9 +124,7 @@ class LightningAttention(StatefulLayer):
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         # one token per sequence: q, k, v [S, H, D] -> [S, H, D] float32
         kv, slots = self.states["kv"], meta.slots
-        fresh = [i for i, has in enumerate(meta.has_initial_state) if not has]
-        if fresh:  # a one-token first chunk starts from zeros, not from whatever the slot held
-            kv.index_fill_(0, slots[torch.tensor(fresh, device=slots.device)], 0)
+        zero_fresh_slots(meta, slots, (kv,))
         decay = torch.exp(-self.slopes).view(1, self.num_heads, 1, 1)
         state = kv[slots] * decay + k.unsqueeze(-1) * v.unsqueeze(-2)  # [S, H, D, D]
         kv.index_copy_(0, slots, state)

@@ -36,7 +36,8 @@ from stateserve.layers.linear import FewRowCall, decode_projections
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived_from_module, float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds)
+                                         conv_state_at, sequence_chunks, verify_rounds,
+                                         zero_fresh_slots)
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
@@ -267,11 +268,7 @@ class Mamba2Mixer(StatefulLayer):
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
         slots = meta.slots if len(seqs) == len(meta.query_lens) else meta.slots[seqs]
-        fresh = [j for j, i in enumerate(seqs) if not meta.has_initial_state[i]]
-        if fresh:  # first token of a one-token prompt: start from zeros, whatever the slot holds
-            idx = slots[torch.tensor(fresh, device=slots.device)]
-            conv_states.index_fill_(0, idx, 0)
-            ssm_states.index_fill_(0, idx, 0)
+        zero_fresh_slots(meta, slots, (conv_states, ssm_states), seqs)
         fuse_silu = self.act is F.silu  # conv + silu + float32 for the state update in one pass
         kernel = kernels.table(ssm_states.device).mamba2_decode(xbc.dtype, dt.dtype, conv_states.dtype,
                                                                 self.conv1d.weight.dtype, ssm_states.dtype)

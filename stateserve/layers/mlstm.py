@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
-from stateserve.layers.recurrent import StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds
+from stateserve.layers.recurrent import (StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds,
+                                         zero_fresh_slots)
 
 _SUB = 64  # parallel-form sub-chunk: [H, 64, 64] weights at a time
 
@@ -60,11 +61,7 @@ class MLSTMCell(StatefulLayer):
         C_all, n_all, m_all = self.states["C"], self.states["n"], self.states["m"]
         seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
         slots = meta.slots if len(seqs) == len(meta.query_lens) else meta.slots[seqs]
-        fresh = [j for j, s in enumerate(seqs) if not meta.has_initial_state[s]]
-        if fresh:  # a one-token prompt starts from zeros, whatever the slot held
-            idx = slots[torch.tensor(fresh, device=slots.device)]
-            for t in (C_all, n_all, m_all):
-                t.index_fill_(0, idx, 0)
+        zero_fresh_slots(meta, slots, (C_all, n_all, m_all), seqs)
         C, n, m = C_all[slots], n_all[slots], m_all[slots]
         m_new = torch.maximum(log_f + m, i)  # [S', H]
         f_act, i_act = torch.exp(log_f + m - m_new), torch.exp(i - m_new)

@@ -127,6 +127,20 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y
 
 
+def zero_fresh_slots(meta: StateMetadata, slots: torch.Tensor, states: tuple[torch.Tensor, ...],
+                     seqs: list[int] | None = None) -> list[int]:
+    """Decode rows of sequences with no state yet (the first token of a one-token prompt) start from zeros, not from
+    what their slot held before. slots: [S'] the rows' slots; seqs: the step's sequence index of each row (all of the
+    step's sequences if None); states: the pool tensors to clear, slot first. Returns the fresh rows' positions."""
+    seqs = range(len(meta.query_lens)) if seqs is None else seqs
+    fresh = [j for j, i in enumerate(seqs) if not meta.has_initial_state[i]]
+    if fresh:
+        rows = slots[torch.tensor(fresh, device=slots.device)]
+        for state in states:
+            state.index_fill_(0, rows, 0)
+    return fresh
+
+
 def sequence_chunks(meta: StateMetadata):
     """Yield (sequence index, start, length, slot, has_initial_state) for each sequence of the step."""
     slots = meta.slots.tolist()

@@ -20,7 +20,7 @@ from torch import nn
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds)
+                                         conv_state_at, sequence_chunks, verify_rounds, zero_fresh_slots)
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
@@ -141,13 +141,9 @@ class RGLRUBlock(StatefulLayer):
         conv_states, lru_states = self.states["conv"], self.states["lru"]
         seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
         slots = meta.slots if len(seqs) == len(meta.query_lens) else meta.slots[seqs]
-        fresh = [j for j, i in enumerate(seqs) if not meta.has_initial_state[i]]
-        first = torch.zeros(len(seqs), dtype=torch.bool, device=ux.device)
-        if fresh:  # a one-token prompt starts from zeros, whatever the slot held
-            idx = torch.tensor(fresh, device=ux.device)
-            conv_states.index_fill_(0, slots[idx], 0)
-            lru_states.index_fill_(0, slots[idx], 0)
-            first[idx] = True
+        fresh = zero_fresh_slots(meta, slots, (conv_states, lru_states), seqs)
+        first = torch.zeros(len(seqs), dtype=torch.bool, device=ux.device)  # rows starting a sequence
+        first[fresh] = True
         # transformers' decode conv: (window * weight).sum(-1) + bias in the model dtype
         u = causal_conv1d_decode(ux, self._weight(), self.conv1d.bias, conv_states, slots, taps=self.conv_taps())
         a, b = self._gates(u, first)

@@ -16,7 +16,8 @@ from torch import nn
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds)
+                                         conv_state_at, sequence_chunks, verify_rounds,
+                                         zero_fresh_slots)
 
 
 class ShortConv(StatefulLayer):
@@ -92,9 +93,7 @@ class ShortConv(StatefulLayer):
         conv_states = self.states["conv"]
         seqs = list(range(len(meta.query_lens))) if seqs is None else seqs
         slots = meta.slots if len(seqs) == len(meta.query_lens) else meta.slots[seqs]
-        fresh = [j for j, i in enumerate(seqs) if not meta.has_initial_state[i]]
-        if fresh:  # the first token of a one-token prompt starts from zeros, whatever the slot held
-            conv_states.index_fill_(0, slots[torch.tensor(fresh, device=slots.device)], 0)
+        zero_fresh_slots(meta, slots, (conv_states,), seqs)
         # float_accumulate: products and bias summed in float32 and rounded once, as transformers' F.conv1d does
         y = causal_conv1d_decode(bu, self._weight(), self.conv1d.bias, conv_states, slots, float_accumulate=True,
                                  taps=self.conv_taps())
