@@ -20,8 +20,12 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
 
+    def block_shapes(self, block_size: int) -> tuple[tuple[int, ...], ...]:
+        """The shape of one block in each tensor the layer keeps (K, then V)."""
+        return ((self.num_kv_heads, block_size, self.head_dim),) * 2
+
     def bytes_per_block(self, block_size: int) -> int:
-        return 2 * block_size * self.num_kv_heads * self.head_dim * _elem_size(self.dtype)
+        return sum(math.prod(shape) for shape in self.block_shapes(block_size)) * _elem_size(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,11 @@ class LatentKVCacheSpec:
     latent_dim: int
     dtype: torch.dtype
 
-    def bytes_per_block(self, block_size: int) -> int:
-        return block_size * self.latent_dim * _elem_size(self.dtype)
+    def block_shapes(self, block_size: int) -> tuple[tuple[int, ...], ...]:
+        """One tensor, no V."""
+        return ((block_size, self.latent_dim),)
+
+    bytes_per_block = KVCacheSpec.bytes_per_block
 
 
 @dataclass(frozen=True)

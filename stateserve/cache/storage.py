@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from stateserve.platform import huge_pages
-from stateserve.cache.spec import KVCacheSpec, LatentKVCacheSpec, StateSpec
+from stateserve.cache.spec import KVCacheSpec, StateSpec
 
 logger = logging.getLogger("stateserve")
 
@@ -88,14 +88,11 @@ class CacheStorage:
                  block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         # KV is zeroed once: masked attention multiplies unused rows by 0, and 0 * NaN garbage would be NaN.
-        # A latent (MLA) layer keeps one tensor [num_blocks, block_size, latent_dim] and no V (bound as None).
-        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
-            name: (_zeros((plan.num_blocks, block_size, s.latent_dim), s.dtype, device), None)
-            if isinstance(s, LatentKVCacheSpec) else
-            tuple(_zeros((plan.num_blocks, s.num_kv_heads, block_size, s.head_dim), s.dtype, device)
-                  for _ in range(2))
-            for name, s in kv_specs.items()
-        }
+        # Each spec names its tensors' block shapes: K and V, or a latent (MLA) layer's one tensor (V bound as None).
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for name, s in kv_specs.items():
+            k, *v = (_zeros((plan.num_blocks, *shape), s.dtype, device) for shape in s.block_shapes(block_size))
+            self.kv[name] = (k, v[0] if v else None)
         # Layers whose state tensors have the same shape and dtype (every Mamba2 layer of a model, say) share one
         # stacked tensor [num_layers, num_slots, *shape]: each layer gets a contiguous view of its own, and
         # handing out, zeroing or copying a slot is one op per group instead of one per layer and tensor.
