@@ -10,12 +10,12 @@ import torch
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
 
-from stateserve import LLM, SamplingParams
 from stateserve.layers.delta_rule import l2norm
 from stateserve.layers.kda import chunk_kda_rule
-from utils import (assert_cache_sized, assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
-
+from state_checks import (assert_same, check_preemption_exact, check_prefix_cache_exact, greedy_params, scored,
+                          small_llm)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -42,22 +42,12 @@ def _build(tmp_path, **extra):
     return hf, save_model(hf, str(tmp_path / "kimi_linear"))
 
 
-def _llm(path: str, **kw) -> LLM:
-    # 32 MiB of cache, not the default GiBs: zeroing those dominated each engine start
-    kw.setdefault("kv_cache_memory_bytes", 32 << 20)
-    return LLM(path, skip_tokenizer_init=True, **kw)
-
-
-def _params(max_new: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, **kw)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_chunked(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     ref = hf_greedy(hf, PROMPTS, 10)
-    with _llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(10))
+    with small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params(10))
         assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS, tol=1e-3)
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
@@ -68,7 +58,7 @@ def test_teacher_forced_logits(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token KDA chunk
     ref = hf_logits(hf, tokens)
-    with _llm(path) as llm:
+    with small_llm(path) as llm:
         for chunk in (1, 7, 64):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
 
@@ -76,19 +66,6 @@ def test_teacher_forced_logits(case, tmp_path):
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("kimi"))
-
-
-def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens with their logprobs: a wrong state may leave decisive tokens alone, not their logprobs."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(n, logprobs=0), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_same(ours, ref, tol: float = 1e-4) -> None:
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
 
 
 def _random_inputs(L: int, H: int = 3, Dk: int = 8, Dv: int = 5, seed: int = 0):
@@ -130,40 +107,11 @@ def test_chunked_kda_rule_matches_token_recurrence(L, chunk):
 
 @pytest.mark.parametrize("mode", ["all", "align"])
 def test_prefix_cache_snapshots_exact(mode, base_model):
-    """KDA snapshots (block size 4, mid-chunk and at chunk ends) resumed from on a second pass: the cold run's
-    tokens and logprobs, with hits."""
-    _, path = base_model
-    shared = [(3 * j) % 290 + 5 for j in range(30)]
-    prompts = [shared + [7, 8], shared[:13] + [9], shared + [7, 8, 11], shared[:22] + [250, 3]]
-    with _llm(path, enable_prefix_caching=False, max_num_batched_tokens=16) as cold:
-        ref = _scored(cold, prompts)
-    with _llm(path, max_num_batched_tokens=16, block_size=4, enable_prefix_caching=True,
-             mamba_cache_mode=mode) as llm:
-        first = _scored(llm, prompts[:2])
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], _params(6, logprobs=0), use_tqdm=False)
-        _assert_same(first, ref[:2])
-        _assert_same([(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                                o.outputs[0].logprobs)])
-                      for o in outs], ref[2:])
-        assert min(o.num_cached_tokens for o in outs) >= 12  # really resumed from snapshots
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
+    check_prefix_cache_exact(base_model[1], mode)
 
 
 def test_preemption_recompute_gives_same_tokens(base_model):
-    """Fewer KV blocks than the running sequences need: some are preempted and recomputed (state slots freed and
-    re-zeroed), giving the tokens and logprobs of an engine with room for all."""
-    _, path = base_model
-    prompts = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
-    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=False)
-    with _llm(path, **kw) as roomy:
-        ref = _scored(roomy, prompts, 30)
-    with _llm(path, num_gpu_blocks_override=8, max_num_seqs=6, **kw) as tight:
-        assert_cache_sized(tight, 8, 6)
-        _assert_same(_scored(tight, prompts, 30), ref)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
+    check_preemption_exact(base_model[1], 30)
 
 
 def test_speculative_decoding_rolls_back_kda_state(base_model, monkeypatch):
@@ -187,13 +135,13 @@ def test_speculative_decoding_rolls_back_kda_state(base_model, monkeypatch):
     _, path = base_model
     prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
     kw = dict(max_num_batched_tokens=32)
-    with _llm(path, enable_prefix_caching=False, **kw) as plain:
-        ref = _scored(plain, prompts, 16)
-    with _llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
+    with small_llm(path, enable_prefix_caching=False, **kw) as plain:
+        ref = scored(plain, prompts, 16)
+    with small_llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
         llm.llm_engine.speculator.proposer = Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
         for _ in range(2):
-            _assert_same(_scored(llm, prompts, 16), ref)
+            assert_same(scored(llm, prompts, 16), ref)
         stats = llm.llm_engine.stats
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
         llm.llm_engine.check_integrity()
@@ -239,7 +187,7 @@ def test_mla_caches_the_compressed_latent(base_model):
 
     hf, path = base_model
     cfg = hf.config
-    with _llm(path, block_size=16) as llm:
+    with small_llm(path, block_size=16) as llm:
         runner = llm.llm_engine.runner
         kv_specs, _ = runner.cache_specs()
         assert set(kv_specs) == {"model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"}
