@@ -1,8 +1,12 @@
 // The conv of one decode token for Mamba-style layers: each sequence's depthwise causal conv over its last K
 // inputs, shifting the conv state in place. A decode step runs it once per layer, so its cost is mostly reading
 // the 16-channel windows, which the state keeps channel-major ([C, K-1]).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <array>
 #include <cstring>
 #include <type_traits>
@@ -203,8 +207,8 @@ void conv_update_rows(T* st, const int64_t* sl, const T* xp, const float* wtp, c
 // float_accumulate: products and bias summed in float32, rounded once (F.conv1d). Otherwise as the PyTorch
 // expression (window * weight).sum(-1) + bias: each product rounded, the sum rounded, then the bias add.
 // output: what is returned, y ([S, C] in x's dtype), its SiLU in x's dtype, or that SiLU as float32.
-torch::Tensor conv1d_update(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
-                            c10::optional<torch::Tensor> bias, bool float_accumulate, ConvOutput output) {
+at::Tensor conv1d_update(at::Tensor conv_state, at::Tensor slots, at::Tensor x, at::Tensor taps,
+                            c10::optional<at::Tensor> bias, bool float_accumulate, ConvOutput output) {
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.scalar_type() == x.scalar_type(),
               "conv1d_update_: conv_state and x must share a dtype (conv_state contiguous)");
   TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.dim() == 2 && taps.is_contiguous(),
@@ -219,7 +223,7 @@ torch::Tensor conv1d_update(torch::Tensor conv_state, torch::Tensor slots, torch
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == C && bias->is_contiguous(),
                 "conv1d_update_: bias must be contiguous float32 [C]");
   const bool to_float32 = output == ConvOutput::kSiluFloat32;
-  auto y = to_float32 ? torch::empty(x.sizes(), x.options().dtype(at::kFloat)) : torch::empty_like(x);
+  auto y = to_float32 ? at::empty(x.sizes(), x.options().dtype(at::kFloat)) : at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_update_", [&] {
     const ConvOut<scalar_t> out{output, to_float32 ? nullptr : y.data_ptr<scalar_t>(),
                                 to_float32 ? y.data_ptr<float>() : nullptr};
@@ -231,8 +235,8 @@ torch::Tensor conv1d_update(torch::Tensor conv_state, torch::Tensor slots, torch
 }
 
 // The binding: y, or with silu_float32 its SiLU (rounded to x's dtype, as F.silu on y would) as float32.
-torch::Tensor conv1d_update_(torch::Tensor conv_state, torch::Tensor slots, torch::Tensor x, torch::Tensor taps,
-                             c10::optional<torch::Tensor> bias, bool float_accumulate, bool silu_float32) {
+at::Tensor conv1d_update_(at::Tensor conv_state, at::Tensor slots, at::Tensor x, at::Tensor taps,
+                             c10::optional<at::Tensor> bias, bool float_accumulate, bool silu_float32) {
   return conv1d_update(conv_state, slots, x, taps, bias, float_accumulate,
                        silu_float32 ? ConvOutput::kSiluFloat32 : ConvOutput::kConv);
 }

@@ -3,7 +3,12 @@
 // fast_linear, rotary_, write_kv_cache, paged_decode_attention, silu_and_mul), so the same results, without the
 // Python, module calls and dispatch between them (~1.6 ms of a Llama-base bfloat16 token on 2 Zen 3 cores, where
 // the kernels themselves took ~0.5 ms besides the linears). Used while every projection takes the few-row kernel.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <vector>
 #include "kernels.h"
 
@@ -14,19 +19,19 @@
 // qkv [q | k | v, hidden], o [hidden, heads * head_dim], gate_up [gate | up, hidden], down [hidden, intermediate],
 // each a float weight or a packed quantized one (project(): quantize_activations picks the latter's mode).
 // Returns (the MLP output [S, hidden], the stream).
-std::vector<torch::Tensor> decoder_layer_decode_(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor positions, torch::Tensor norm1_weight,
-    double norm1_eps, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, torch::Tensor rope_table, int64_t rotary_dim, torch::Tensor k_cache,
-    torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-    double scale, torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor norm2_weight,
-    double norm2_eps, torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
-    torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias, bool quantize_activations) {
+std::vector<at::Tensor> decoder_layer_decode_(
+    at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor positions, at::Tensor norm1_weight,
+    double norm1_eps, at::Tensor qkv_weight, c10::optional<at::Tensor> qkv_bias, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, at::Tensor rope_table, int64_t rotary_dim, at::Tensor k_cache,
+    at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+    double scale, at::Tensor o_weight, c10::optional<at::Tensor> o_bias, at::Tensor norm2_weight,
+    double norm2_eps, at::Tensor gate_up_weight, c10::optional<at::Tensor> gate_up_bias,
+    at::Tensor down_weight, c10::optional<at::Tensor> down_bias, bool quantize_activations) {
   const int64_t S = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(projection_outputs(qkv_weight) == q_size + 2 * kv_size && projection_inputs(o_weight) == q_size,
               "decoder_layer_decode_: qkv / o weights do not match ", num_heads, " heads and ", num_kv_heads,
               " kv heads of ", head_dim);
-  torch::Tensor stream, h;
+  at::Tensor stream, h;
   if (residual.has_value() && residual->defined()) {
     stream = *residual;
     h = add_rms_norm_(stream, x, norm1_weight, norm1_eps);

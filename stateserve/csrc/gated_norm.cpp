@@ -1,7 +1,11 @@
 // Mamba2's gated RMSNorm (the norm between the SSD scan and out_proj), in its own file: one pass per row over the
 // scan's float32 output and the gate, on AVX-512 where the sizes allow.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -63,7 +67,7 @@ bool gated_rms_norm_row_simd(const float* y, const T* gate, const float* w, T* o
 // scan's float32 output): norm_before_gate=false: normalize(y * silu(z)) * weight; true: normalize(y) * weight *
 // silu(z). y: [M, I] float32; gate z: [M, I] (any row stride: a view of in_proj's output) and weight: [I] in the
 // model dtype. Returns [M, I] in the gate's (model) dtype: rounded once at the end, as out_proj reads it.
-torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor weight, int64_t group_size,
+at::Tensor gated_rms_norm(at::Tensor y, at::Tensor gate, at::Tensor weight, int64_t group_size,
                              double eps, bool norm_before_gate) {
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && gate.sizes() == y.sizes() && weight.dim() == 1 &&
                   weight.size(0) == y.size(1) && group_size > 0 && y.size(1) % group_size == 0,
@@ -71,7 +75,7 @@ torch::Tensor gated_rms_norm(torch::Tensor y, torch::Tensor gate, torch::Tensor 
   y = y.contiguous();
   if (gate.stride(1) != 1) gate = gate.contiguous();
   auto w = weight.to(at::kFloat).contiguous();
-  auto out = torch::empty(y.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty(y.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t M = y.size(0), I = y.size(1), ld_gate = gate.stride(0);
   const float* wp = w.data_ptr<float>();
   const float* yp = y.data_ptr<float>();

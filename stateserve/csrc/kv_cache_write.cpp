@@ -1,21 +1,25 @@
 // The new keys and values of a step into the paged KV cache, for every attention layer (decode, prefill, fused
 // decode alike): row copies, any dtype.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "kernels.h"
 
 // Writes new keys and values into their cache rows. k, v: [T, KH, D] in the cache's dtype; slots: [T] int64
 // (block * block_size + offset); caches [num_blocks, KH, block_size, D], so each head's row is its own copy.
-void write_kv_cache(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
-                    torch::Tensor slots) {
+void write_kv_cache(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v,
+                    at::Tensor slots) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "write_kv_cache: tensors must be contiguous");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "write_kv_cache: k/v dtype differs from the cache's");
   TORCH_CHECK(k_cache.dim() == 4 && k.dim() == 3 && k.sizes() == v.sizes() && k_cache.sizes() == v_cache.sizes() &&
               k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3), "write_kv_cache: shapes do not match");
-  auto slot_t = slots.to(torch::kInt64).contiguous();
+  auto slot_t = slots.to(at::kLong).contiguous();
   TORCH_CHECK(slot_t.numel() == k.size(0), "write_kv_cache: one slot per token");
   const int64_t T = k.size(0), KH = k_cache.size(1), bs = k_cache.size(2), D = k_cache.size(3);
   const int64_t num_slots = k_cache.size(0) * bs, elem = k.element_size(), row_bytes = D * elem;

@@ -8,8 +8,12 @@
 // 28 ms through oneDNN at one row, 20 vs 40 at four (2 Zen 3 cores, DRAM-resident float32 weights); oneDNN's call
 // overhead alone was ~30 us on the one-row [80, 1536] and [1536, 48] products (kernel: 6-11 us). There oneDNN has
 // no bfloat16 at all and PyTorch's bfloat16 GEMV streams ~20 GB/s; this kernel ~28 (a base model's weights, 1 row).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "kernels.h"
 #include "simd.h"
@@ -339,7 +343,7 @@ bool fast_linear_supported(c10::ScalarType dtype) {
 }
 
 // x: [M, K] with unit stride along K; weight: [N, K] contiguous; bias: [N] or empty. Returns [M, N].
-torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+at::Tensor fast_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "fast_linear: x must be [M, K] and weight [N, K]");
   TORCH_CHECK(x.size(1) == weight.size(1), "fast_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "fast_linear: x and weight dtypes differ");
@@ -347,8 +351,8 @@ torch::Tensor fast_linear(torch::Tensor x, torch::Tensor weight, c10::optional<t
   if (x.stride(1) != 1) x = x.contiguous();
   TORCH_CHECK(weight.is_contiguous(), "fast_linear: weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  torch::Tensor b;
+  auto out = at::empty({M, N}, x.options());
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
     TORCH_CHECK(b.numel() == N && b.scalar_type() == x.scalar_type(), "fast_linear: bias must be [N], same dtype");

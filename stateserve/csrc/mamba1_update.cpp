@@ -6,8 +6,12 @@
 // the update is a short dependent chain (exp, update, product with C, horizontal sum, a scalar SiLU) that left
 // the core waiting (~28 us a layer for Mamba-base in float32, 42 in bfloat16). 16 channels side by side give 16
 // independent chains, one transpose-and-add for their 16 sums, and the gate on whole vectors (8 with AVX2).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include "kernels.h"
 #include "simd.h"
@@ -89,16 +93,16 @@ void update_channel(const Mamba1Args& a, int64_t s, int64_t d, const T* u, const
   out[s * a.D + d] = static_cast<T>(round_to<T>(round_to<T>(acc) + skip) * gate);
 }
 
-inline torch::Tensor unit_inner_stride(const torch::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+inline at::Tensor unit_inner_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 }  // namespace
 
 // states: [num_slots, D, N] float32; u, dt_raw (before bias and softplus), z: [S, D]; B, C: [S, N]; all five in
 // the model dtype T, rows may be strided (views of a projection's output). dt_bias, Dskip: [D], taken in T as
 // the PyTorch path's .to(T) does; A: [D, N] float32. Returns (C.h + u * Dskip) * silu(z) as [S, D] in T.
-torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor u,
-                                      torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A,
-                                      torch::Tensor B, torch::Tensor C, torch::Tensor Dskip, torch::Tensor z) {
+at::Tensor selective_state_update_(at::Tensor states, at::Tensor slots, at::Tensor u,
+                                      at::Tensor dt_raw, at::Tensor dt_bias, at::Tensor A,
+                                      at::Tensor B, at::Tensor C, at::Tensor Dskip, at::Tensor z) {
   const auto dtype = u.scalar_type();
   TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 3,
               "selective_state_update_: contiguous float32 states [slots, D, N]");
@@ -120,7 +124,7 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
   const int64_t num_slots = states.size(0);
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(sl[s] >= 0 && sl[s] < num_slots, "selective_state_update_: slot ", sl[s], " outside the cache");
-  auto out = torch::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({S, Dn}, u.options().memory_format(at::MemoryFormat::Contiguous));
   const Mamba1Args args{states.data_ptr<float>(), sl, A.data_ptr<float>(), Dn, N,
                         u.stride(0), dt_raw.stride(0), B.stride(0), C.stride(0), z.stride(0)};
 #if SS_HAS_SIMD
@@ -162,11 +166,11 @@ torch::Tensor selective_state_update_(torch::Tensor states, torch::Tensor slots,
 // both updated in place at `slots`; taps [K, D] float32 and conv_bias [D] as conv1d_update takes them; weights in
 // nn.Linear's [out, in] layout and x's dtype, or packed quantized (project(), quantize_activations its mode); dt_bias, Dskip: [D] in x's dtype; A: [D, N] float32 (-exp(A_log)).
 // Returns out_proj's output [S, H].
-torch::Tensor mamba1_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
-                             torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias, torch::Tensor taps,
-                             c10::optional<torch::Tensor> conv_bias, torch::Tensor x_proj_weight,
-                             torch::Tensor dt_weight, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Dskip,
-                             torch::Tensor out_weight, c10::optional<torch::Tensor> out_bias,
+at::Tensor mamba1_decode_(at::Tensor x, at::Tensor conv_state, at::Tensor ssm_state, at::Tensor slots,
+                             at::Tensor in_weight, c10::optional<at::Tensor> in_bias, at::Tensor taps,
+                             c10::optional<at::Tensor> conv_bias, at::Tensor x_proj_weight,
+                             at::Tensor dt_weight, at::Tensor dt_bias, at::Tensor A, at::Tensor Dskip,
+                             at::Tensor out_weight, c10::optional<at::Tensor> out_bias,
                              bool quantize_activations) {
   const int64_t D = conv_state.size(1), N = ssm_state.size(2), R = projection_inputs(dt_weight);
   TORCH_CHECK(projection_outputs(in_weight) == 2 * D && projection_outputs(x_proj_weight) == R + 2 * N &&

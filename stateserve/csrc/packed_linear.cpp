@@ -13,8 +13,12 @@
 // GFLOP/s at 8-512 rows on 2 Zen 3 cores against oneDNN's 55-160 (its ~190 peak), bfloat16 (widened to float32 in
 // registers; no oneDNN bfloat16 there) 140-185 on [3072, 768] (half the bytes of W through the caches). At a few
 // rows the few-row kernel is faster there (linear.py's max_rows_prepacked).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "kernels.h"
 #include "simd.h"
@@ -230,7 +234,7 @@ bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features) {
 
 // weight: [N, K] float32 or bfloat16 -> packed (int32, [ceil(N / 48), K / step, 48], written in place; columns past
 // N zero), step = 1 (float32) or 2 (bfloat16: K must be even).
-void pack_linear_weight_(torch::Tensor packed, torch::Tensor weight) {
+void pack_linear_weight_(at::Tensor packed, at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_linear_weight_: weight must be [N, K] contiguous");
   TORCH_CHECK(packed_linear_supported(weight.scalar_type(), weight.size(1)),
               "pack_linear_weight_: no packed kernel for this dtype / in_features in this build");
@@ -256,7 +260,7 @@ void pack_linear_weight_(torch::Tensor packed, torch::Tensor weight) {
 
 // x: [M, K] with unit stride along K; packed: from pack_linear_weight_ of a [N, K] weight of x's dtype; bias: [N]
 // or None. Returns [M, N] in x's dtype (float32 sums, the bias added before rounding).
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
                             int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   if (x.stride(1) != 1) x = x.contiguous();
@@ -265,12 +269,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(0) == (N + kPanel - 1) / kPanel && packed.size(1) == K / step && packed.size(2) == kPanel,
               "packed_linear: packed weight does not match x's K = ", K, " and out_features = ", N);
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
     TORCH_CHECK(b.numel() == N && b.scalar_type() == x.scalar_type(), "packed_linear: bias must be [N], x's dtype");
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
 #if SS_HAS_AVX512_BF16
   if (x.scalar_type() == at::kBFloat16) {
@@ -283,7 +287,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional
 #if SS_HAS_AVX2
   if (x.scalar_type() == at::kBFloat16) {
     using bf = at::BFloat16;
-    const torch::Tensor xf = x.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);  // [M, K]
+    const at::Tensor xf = x.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);  // [M, K]
     run_packed<Bf16Words8>(xf.data_ptr<float>(), K, M, K, packed.data_ptr<int32_t>(), N,
                            b.defined() ? b.data_ptr<bf>() : nullptr, out.data_ptr<bf>());
     return out;

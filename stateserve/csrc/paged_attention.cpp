@@ -2,8 +2,12 @@
 // One task per sequence (or a share of its kv heads); the query heads of a GQA group share each K/V row read. The
 // vector task is written once over the build's float32 vector (16 lanes with AVX-512, 8 with AVX2); AVX-512 + BF16
 // adds one on vdpbf16ps for bfloat16; builds without vectors, and dtypes the vector loads do not take, run a loop.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <xmmintrin.h>
 #include <cmath>
 #include <cstring>
@@ -395,13 +399,13 @@ static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scal
 
 // q: [S, H, D]; k_cache, v_cache: [num_blocks, KH, block_size, D]; block_tables: [S, max_blocks] int64;
 // seq_lens: [S] int64 (each >= 1). Returns [S, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KH = k_cache.size(1), bs = k_cache.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

@@ -5,8 +5,12 @@
 // ~4096 keys the flash kernel's blocked products lead (~120 vs ~100), so the kernel table sends longer sequences there.
 // The task is written once over the build's float32 vector (16 lanes with AVX-512, 8 with AVX2); how each width
 // tiles it is in Tiles, and with AVX-512 + BF16 both products of a bfloat16 chunk run on vdpbf16ps.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -260,17 +264,17 @@ bool prefill_attention_supported(c10::ScalarType dtype, int64_t head_dim) {
 
 // q: [Lq, H, D] (rows may be strided, heads and dims contiguous); k_cache, v_cache: [num_blocks, KH, block_size,
 // D] holding keys 0..ctx + Lq - 1 of the sequence; block_table: its blocks, int64. Returns [Lq, H, D].
-torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_table, int64_t ctx, double scale) {
+at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor block_table, int64_t ctx, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill_attention: q layout");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.scalar_type() == k_cache.scalar_type(),
               "paged_prefill_attention: caches must be contiguous and of q's dtype");
   const int64_t Lq = q.size(0), H = q.size(1), D = q.size(2), KH = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(prefill_attention_supported(q.scalar_type(), D) && k_cache.size(3) == D && H % KH == 0,
               "paged_prefill_attention: unsupported dtype or shape");
-  auto table = block_table.to(torch::kInt64).contiguous();
+  auto table = block_table.to(at::kLong).contiguous();
   TORCH_CHECK(table.numel() * bs >= ctx + Lq, "paged_prefill_attention: block table shorter than the sequence");
-  auto out = torch::empty({Lq, H, D}, q.options());
+  auto out = at::empty({Lq, H, D}, q.options());
 #if SS_HAS_SIMD
   const int64_t q_blocks = (Lq + kRows - 1) / kRows;
   auto run = [&](auto tag) {

@@ -3,7 +3,12 @@
 // block-quantized one (q8_0_pack / q4_pack / q6_k_pack: uint8, 1-D, its trailer naming the format, N and K) through
 // that format's product. So a quantized model's decode layer runs in one call as a float one does, the same products
 // its QuantLinear modules compute one by one.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "kernels.h"
 #include "quant_q6k.h"
@@ -11,7 +16,7 @@
 
 namespace {
 // The packed weight's trailer: (magic, N, K, a full panel's bytes).
-void read_trailer(const torch::Tensor& weight, int64_t trailer[4]) {
+void read_trailer(const at::Tensor& weight, int64_t trailer[4]) {
   TORCH_CHECK(weight.dim() == 1 && weight.numel() >= stateserve_quant::kTrailerBytes,
               "project: a uint8 weight must be a packed quantized weight (q8_0_pack / q4_pack / q6_k_pack)");
   std::memcpy(trailer, weight.data_ptr<uint8_t>() + weight.numel() - stateserve_quant::kTrailerBytes,
@@ -19,21 +24,21 @@ void read_trailer(const torch::Tensor& weight, int64_t trailer[4]) {
 }
 }  // namespace
 
-int64_t projection_outputs(const torch::Tensor& weight) {
+int64_t projection_outputs(const at::Tensor& weight) {
   if (weight.scalar_type() != at::kByte) return weight.size(0);
   int64_t trailer[4];
   read_trailer(weight, trailer);
   return trailer[1];
 }
 
-int64_t projection_inputs(const torch::Tensor& weight) {
+int64_t projection_inputs(const at::Tensor& weight) {
   if (weight.scalar_type() != at::kByte) return weight.size(1);
   int64_t trailer[4];
   read_trailer(weight, trailer);
   return trailer[2];
 }
 
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       bool quantize_activations) {
   if (weight.scalar_type() != at::kByte) return fast_linear(x, weight, bias);
   int64_t trailer[4];

@@ -11,7 +11,12 @@
 //     int32 lanes.
 //   avx2: the same on 8 lanes (vpsignb gives x w's sign), a panel in two halves.
 //   scalar: the loops.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "quant_lanes.h"
 #include "quant_q8_0.h"

@@ -2,7 +2,12 @@
 // linears, quant_tiles.h): d = amax / 127, id = 1 / d (0 when d is 0), code = roundf(x * id) (half away from zero),
 // the product using float(float16(d)) as block_q8_0 stores it. The same codes in every path: AVX-512, AVX2, the
 // portable loop.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include "quant_tiles.h"

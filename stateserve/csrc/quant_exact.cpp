@@ -6,7 +6,12 @@
 // has K / 4 terms, so the sum errs by well under gamma_K * sum |x w| before the output's rounding.
 // Vectors of 16 lanes (AVX-512F) or 8 (AVX2: a panel's two halves one after the other); the portable loops
 // otherwise.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "quant_lanes.h"
 #include "quant_q8_0.h"

@@ -2,8 +2,12 @@
 // the entry points and the packing at load into 16-row panels (layout: quant_q8_0.h). The loop over rows and panels
 // (quant_tiles.h) calls the register tiles of quant_a8.cpp (int8 activations, integer dot products: the fast mode)
 // and quant_exact.cpp (float activations, weights dequantized in registers: exact up to float32 round-off).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstring>
 #include "kernels.h"
 #include "quant_q8_0.h"
@@ -12,7 +16,7 @@ namespace {
 using namespace stateserve_q8;
 
 // The packed tensor's checks: uint8, 1-D, the trailer written by q8_0_pack for this N and K.
-void check_packed(const torch::Tensor& packed, int64_t N, int64_t K, const char* fn) {
+void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* fn) {
   const int64_t magic = packed_magic(packed, fn, "q8_0_pack");
   TORCH_CHECK(K > 0 && K % kBlock == 0, fn, ": K = ", K, " is not a positive multiple of ", kBlock);
   TORCH_CHECK(magic == kMagic, fn, ": packed is not a packed Q8_0 weight (no q8_0_pack trailer)");
@@ -31,7 +35,7 @@ std::string q8_0_dot_path() { return a8_path(); }
 
 // codes: int8 [N, K], K a multiple of 32; scales: float16 [N, K / 32]. Returns the packed weight (uint8, 1-D; layout
 // in quant_q8_0.h), resident ~1.12x the bytes of codes and scales (plus 32 bytes, and a full panel's padding).
-torch::Tensor q8_0_pack(torch::Tensor codes, torch::Tensor scales) {
+at::Tensor q8_0_pack(at::Tensor codes, at::Tensor scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "q8_0_pack: codes must be int8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), blocks = K / kBlock;
   TORCH_CHECK(K > 0 && K % kBlock == 0, "q8_0_pack: K = ", K, " is not a positive multiple of ", kBlock);
@@ -70,11 +74,11 @@ torch::Tensor q8_0_pack(torch::Tensor codes, torch::Tensor scales) {
 }
 
 // The codes (int8 [N, K]) and scales (float16 [N, K / 32]) a packed weight holds.
-std::vector<torch::Tensor> q8_0_unpack(torch::Tensor packed, int64_t N, int64_t K) {
+std::vector<at::Tensor> q8_0_unpack(at::Tensor packed, int64_t N, int64_t K) {
   check_packed(packed, N, K, "q8_0_unpack");
   const int64_t blocks = K / kBlock, panel_bytes = panel_format(K).full_bytes();
-  auto codes = torch::empty({N, K}, torch::dtype(torch::kInt8));
-  auto scales = torch::empty({N, blocks}, torch::dtype(torch::kFloat16));
+  auto codes = at::empty({N, K}, at::dtype(at::kChar));
+  auto scales = at::empty({N, blocks}, at::dtype(at::kHalf));
   int8_t* w = codes.data_ptr<int8_t>();
   at::Half* s = scales.data_ptr<at::Half>();
   for (int64_t n = 0; n < N; ++n) {
@@ -95,7 +99,7 @@ std::vector<torch::Tensor> q8_0_unpack(torch::Tensor packed, int64_t N, int64_t 
 // or None. Returns x @ W^T + bias as [M, N] in x's dtype (float32 sums, the bias added before the final rounding).
 // quantize_activations: x's rows quantized per block of 32 as llama.cpp's quantize_row_q8_0, integer dot products
 // (quant_a8.cpp); else x as float32 times the dequantized weights (quant_exact.cpp).
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
+at::Tensor q8_0_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N,
                           int64_t K, bool quantize_activations) {
   const LinearArgs args = linear_args(x, bias, N, K, kBlock, "q8_0_linear");
   check_packed(packed, N, K, "q8_0_linear");

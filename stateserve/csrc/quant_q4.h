@@ -22,7 +22,12 @@
 // Size per 16 x 32 weights: Q4_0 288 bytes, Q4_1 320 (GGUF's bytes exactly), Q4_K 296 (1.028x GGUF's 288), plus
 // the trailer and a full panel's padding to 64 bytes (none for K a multiple of 64).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstdint>
 #include "quant_lanes.h"
 #include "quant_tiles.h"

@@ -7,7 +7,12 @@
 // Vectors of 16 lanes (AVX-512F: a nibble becomes a float32 by vpermps from a table of 0 .. 15, which reads only
 // the index's low 4 bits) or 8 (AVX2: mask and convert; a panel's two halves one after the other); the portable
 // loops otherwise.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include "quant_q4.h"
 
 namespace stateserve_q4 {

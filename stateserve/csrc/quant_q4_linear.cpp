@@ -2,8 +2,12 @@
 // into 16-row panels (layout and float steps: quant_q4.h). The loop over rows and panels (quant_tiles.h) calls the
 // register tiles of quant_q4_a8.cpp (int8 activations, integer dot products: the fast mode) and quant_q4_exact.cpp
 // (float activations, weights dequantized in registers: exact up to float32 round-off).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cstring>
 #include "kernels.h"
@@ -28,7 +32,7 @@ void check_k(Format f, int64_t K, const char* fn) {
 }
 
 // The packed tensor's format, after checking its trailer is a q4_pack one for this N and K.
-Format check_packed(const torch::Tensor& packed, int64_t N, int64_t K, const char* fn) {
+Format check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* fn) {
   const int64_t magic = packed_magic(packed, fn, "q4_pack");
   const int64_t* found = std::find(kMagics, kMagics + 3, magic);
   TORCH_CHECK(found != kMagics + 3, fn, ": packed is not a packed Q4 weight (no q4_pack trailer)");
@@ -48,7 +52,7 @@ struct Layout {
 };
 
 // A field of q4_pack: `dtype` [N, cols], contiguous; where `needed` is false it must be None.
-torch::Tensor field(const c10::optional<torch::Tensor>& t, bool needed, const char* name, at::ScalarType dtype,
+at::Tensor field(const c10::optional<at::Tensor>& t, bool needed, const char* name, at::ScalarType dtype,
                     int64_t N, int64_t cols, Format f) {
   const bool given = t.has_value() && t->defined();
   TORCH_CHECK(given == needed, "q4_pack: ", name_of(f), (needed ? " needs " : " takes no "), name);
@@ -59,7 +63,7 @@ torch::Tensor field(const c10::optional<torch::Tensor>& t, bool needed, const ch
   return t->contiguous();
 }
 
-void check_max(const torch::Tensor& t, int limit, const char* what) {
+void check_max(const at::Tensor& t, int limit, const char* what) {
   TORCH_CHECK(t.numel() == 0 || t.max().item<int64_t>() <= limit, "q4_pack: ", what, " must be in 0 .. ", limit);
 }
 
@@ -71,17 +75,17 @@ bool q4_supported() { return true; }
 // [N, K / 32] (q4_k: [N, K / 256]); m: q4_1's float16 [N, K / 32], q4_k's dmin float16 [N, K / 256], else None; sc,
 // mn: q4_k's uint8 [N, K / 32] in 0 .. 63, else None. Returns the packed weight (uint8, 1-D; layout in quant_q4.h),
 // resident as GGUF's bytes (q4_0, q4_1) or 1.028x (q4_k), plus 32 bytes and a full panel's padding.
-torch::Tensor q4_pack(const std::string& format, torch::Tensor codes, torch::Tensor d, c10::optional<torch::Tensor> m,
-                      c10::optional<torch::Tensor> sc, c10::optional<torch::Tensor> mn) {
+at::Tensor q4_pack(const std::string& format, at::Tensor codes, at::Tensor d, c10::optional<at::Tensor> m,
+                      c10::optional<at::Tensor> sc, c10::optional<at::Tensor> mn) {
   const Format f = parse_format(format);
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "q4_pack: codes must be uint8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), blocks = K / kBlock, scales = K / values_per_scale(f);
   check_k(f, K, "q4_pack");
   const bool k_quant = f == Format::kQ4_K;
   d = field(d, true, "d", at::kHalf, N, scales, f);
-  const torch::Tensor mt = field(m, f != Format::kQ4_0, k_quant ? "m (dmin)" : "m", at::kHalf, N, scales, f);
-  const torch::Tensor sct = field(sc, k_quant, "sc", at::kByte, N, blocks, f);
-  const torch::Tensor mnt = field(mn, k_quant, "mn", at::kByte, N, blocks, f);
+  const at::Tensor mt = field(m, f != Format::kQ4_0, k_quant ? "m (dmin)" : "m", at::kHalf, N, scales, f);
+  const at::Tensor sct = field(sc, k_quant, "sc", at::kByte, N, blocks, f);
+  const at::Tensor mnt = field(mn, k_quant, "mn", at::kByte, N, blocks, f);
   codes = codes.contiguous();
   check_max(codes, 15, "codes");
   if (k_quant) {
@@ -122,20 +126,20 @@ torch::Tensor q4_pack(const std::string& format, torch::Tensor codes, torch::Ten
 
 // The fields a packed Q4 weight holds: (format, codes, d, m, sc, mn) as q4_pack takes them, None where the format
 // has none.
-std::tuple<std::string, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-           c10::optional<torch::Tensor>>
-q4_unpack(torch::Tensor packed, int64_t N, int64_t K) {
+std::tuple<std::string, at::Tensor, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+           c10::optional<at::Tensor>>
+q4_unpack(at::Tensor packed, int64_t N, int64_t K) {
   const Format f = check_packed(packed, N, K, "q4_unpack");
   const int64_t blocks = K / kBlock, scales = K / values_per_scale(f);
   const bool k_quant = f == Format::kQ4_K;
   const PanelFormat pf = panel_format(f, K);
-  auto codes = torch::empty({N, K}, torch::dtype(torch::kUInt8));
-  auto d = torch::empty({N, scales}, torch::dtype(torch::kFloat16));
-  torch::Tensor m, sc, mn;
-  if (f != Format::kQ4_0) m = torch::empty({N, scales}, torch::dtype(torch::kFloat16));
+  auto codes = at::empty({N, K}, at::dtype(at::kByte));
+  auto d = at::empty({N, scales}, at::dtype(at::kHalf));
+  at::Tensor m, sc, mn;
+  if (f != Format::kQ4_0) m = at::empty({N, scales}, at::dtype(at::kHalf));
   if (k_quant) {
-    sc = torch::empty({N, blocks}, torch::dtype(torch::kUInt8));
-    mn = torch::empty({N, blocks}, torch::dtype(torch::kUInt8));
+    sc = at::empty({N, blocks}, at::dtype(at::kByte));
+    mn = at::empty({N, blocks}, at::dtype(at::kByte));
   }
   uint8_t* w = codes.data_ptr<uint8_t>();
   auto* dp = reinterpret_cast<uint8_t*>(d.data_ptr<at::Half>());
@@ -160,7 +164,7 @@ q4_unpack(torch::Tensor packed, int64_t N, int64_t K) {
       if (mp != nullptr) std::memcpy(mp + 2 * (n * scales + u), panel + lay.param(seg, per * u + 1, r), 2);
     }
   }
-  const auto opt = [](const torch::Tensor& t) { return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
   return {name_of(f), codes, d, opt(m), opt(sc), opt(mn)};
 }
 
@@ -169,7 +173,7 @@ q4_unpack(torch::Tensor packed, int64_t N, int64_t K) {
 // added before the final rounding). quantize_activations: x's rows quantized per block of 32 as llama.cpp's
 // quantize_row_q8_0, integer dot products (quant_q4_a8.cpp); else x as float32 times the dequantized weights
 // (quant_q4_exact.cpp).
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N, int64_t K,
+at::Tensor q4_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N, int64_t K,
                         bool quantize_activations) {
   const LinearArgs args = linear_args(x, bias, N, K, kBlock, "q4_linear");
   const Format f = check_packed(packed, N, K, "q4_linear");

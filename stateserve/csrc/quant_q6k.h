@@ -18,7 +18,12 @@
 // Size per 16 x 256 weights: 3360 bytes, GGUF's 210 per 256 values exactly, plus the trailer and a full panel's
 // padding to 64 bytes (32 bytes where K / 256 is odd).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstdint>
 #include "quant_lanes.h"
 #include "quant_tiles.h"

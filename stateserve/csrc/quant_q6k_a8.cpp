@@ -17,7 +17,12 @@
 // registers are the accumulators, one int32 sum per row and the four code vectors. The -32 s start and vpmulld cost
 // 3 operations per row, panel and 16 values, against Q8_0's one vpdpbusd per 4 values of a row: at M >= 2 the
 // products, not the memory, bound a Q6_K weight's streaming (~1.5x Q8_0's vector work per weight byte).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include "quant_q6k.h"
 
 namespace stateserve_q6k {

@@ -6,7 +6,12 @@
 // Vectors of 16 lanes (AVX-512F) or 8 (AVX2; a panel's two halves one after the other): a sub-block's code vectors
 // (quant_q6k.h), 32 subtracted from each byte, each byte sign-extended into its int32 lane and converted; the
 // portable loops otherwise.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include "quant_q6k.h"
 
 namespace stateserve_q6k {

@@ -2,8 +2,12 @@
 // panels (layout: quant_q6k.h). The loop over rows and panels (quant_tiles.h) calls the register tiles of
 // quant_q6k_a8.cpp (int8 activations, integer dot products: the fast mode) and quant_q6k_exact.cpp (float
 // activations, weights dequantized in registers: exact up to float32 round-off).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cstring>
 #include "kernels.h"
@@ -18,7 +22,7 @@ void check_k(int64_t K, const char* fn) {
 }
 
 // The packed tensor's checks: uint8, 1-D, the trailer written by q6_k_pack for this N and K.
-void check_packed(const torch::Tensor& packed, int64_t N, int64_t K, const char* fn) {
+void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* fn) {
   const int64_t magic = packed_magic(packed, fn, "q6_k_pack");
   TORCH_CHECK(magic == kMagic, fn, ": packed is not a packed Q6_K weight (no q6_k_pack trailer)");
   check_k(K, fn);
@@ -49,7 +53,7 @@ Layout layout_of(int64_t p, int64_t N, int64_t K) {
 // codes: uint8 [N, K] in 0 .. 63, K a multiple of 256; sc: int8 [N, K / 16]; d: float16 [N, K / 256] (w = d * sc *
 // (codes - 32), ggml_types.q6_k_fields' fields). Returns the packed weight (uint8, 1-D; layout in quant_q6k.h),
 // resident as GGUF's 210 bytes per 256 values, plus 32 bytes and a full panel's padding.
-torch::Tensor q6_k_pack(torch::Tensor codes, torch::Tensor sc, torch::Tensor d) {
+at::Tensor q6_k_pack(at::Tensor codes, at::Tensor sc, at::Tensor d) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "q6_k_pack: codes must be uint8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), subs = K / kSubBlock, supers = K / kSuperBlock;
   check_k(K, "q6_k_pack");
@@ -91,13 +95,13 @@ torch::Tensor q6_k_pack(torch::Tensor codes, torch::Tensor sc, torch::Tensor d) 
 }
 
 // The fields a packed Q6_K weight holds: (codes, sc, d) as q6_k_pack takes them.
-std::vector<torch::Tensor> q6_k_unpack(torch::Tensor packed, int64_t N, int64_t K) {
+std::vector<at::Tensor> q6_k_unpack(at::Tensor packed, int64_t N, int64_t K) {
   check_packed(packed, N, K, "q6_k_unpack");
   const int64_t blocks = K / kBlock, subs = K / kSubBlock, supers = K / kSuperBlock;
   const int64_t panel_bytes = panel_format(K).full_bytes();
-  auto codes = torch::empty({N, K}, torch::dtype(torch::kUInt8));
-  auto sc = torch::empty({N, subs}, torch::dtype(torch::kInt8));
-  auto d = torch::empty({N, supers}, torch::dtype(torch::kFloat16));
+  auto codes = at::empty({N, K}, at::dtype(at::kByte));
+  auto sc = at::empty({N, subs}, at::dtype(at::kChar));
+  auto d = at::empty({N, supers}, at::dtype(at::kHalf));
   uint8_t* w = codes.data_ptr<uint8_t>();
   auto* scp = reinterpret_cast<uint8_t*>(sc.data_ptr<int8_t>());
   auto* dp = reinterpret_cast<uint8_t*>(d.data_ptr<at::Half>());
@@ -121,7 +125,7 @@ std::vector<torch::Tensor> q6_k_unpack(torch::Tensor packed, int64_t N, int64_t 
 // or None. Returns x @ W^T + bias as [M, N] in x's dtype (float32 sums, the bias added before the final rounding).
 // quantize_activations: x's rows quantized per block of 32 as llama.cpp's quantize_row_q8_0, integer dot products
 // (quant_q6k_a8.cpp); else x as float32 times the dequantized weights (quant_q6k_exact.cpp).
-torch::Tensor q6_k_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
+at::Tensor q6_k_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N,
                           int64_t K, bool quantize_activations) {
   check_k(K, "q6_k_linear");
   const LinearArgs args = linear_args(x, bias, N, K, kSuperBlock, "q6_k_linear");

@@ -17,7 +17,12 @@
 // Full panels are the kernels' layout: records of 9 cache lines, every vector load of codes aligned.
 // Size: 608 bytes per 16 x 32 weights against Q8_0's 544 (1.12x), plus the padding and the trailer.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cstdint>
 #include "quant_tiles.h"
 

@@ -14,8 +14,12 @@
 // Every output is computed by the same sequence of operations whatever the tile it falls in or the number of rows,
 // so a row's result does not depend on what it is batched with.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -53,16 +57,16 @@ struct PanelFormat {
 };
 
 // A zeroed packed tensor of N rows with its trailer written; the panels' bytes are the caller's.
-inline torch::Tensor new_packed(const PanelFormat& f, int64_t N, int64_t K) {
+inline at::Tensor new_packed(const PanelFormat& f, int64_t N, int64_t K) {
   const int64_t size = f.packed_size(N);
-  auto packed = torch::zeros({size}, torch::dtype(torch::kUInt8));  // zeros: the padding
+  auto packed = at::zeros({size}, at::dtype(at::kByte));  // zeros: the padding
   const int64_t trailer[4] = {f.magic, N, K, f.full_bytes()};
   std::memcpy(packed.data_ptr<uint8_t>() + size - kTrailerBytes, trailer, sizeof(trailer));
   return packed;
 }
 
 // The trailer's magic (0 where packed is too short to hold one), after checking packed is a uint8 vector.
-inline int64_t packed_magic(const torch::Tensor& packed, const char* fn, const char* pack_fn) {
+inline int64_t packed_magic(const at::Tensor& packed, const char* fn, const char* pack_fn) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous(), fn,
               ": packed must be the uint8 tensor ", pack_fn, " returned");
   int64_t magic = 0;
@@ -72,7 +76,7 @@ inline int64_t packed_magic(const torch::Tensor& packed, const char* fn, const c
 }
 
 // The rest of the trailer: the [N, K] weight asked for, and the size that format gives it.
-inline void check_packed_shape(const torch::Tensor& packed, const PanelFormat& f, int64_t N, int64_t K,
+inline void check_packed_shape(const at::Tensor& packed, const PanelFormat& f, int64_t N, int64_t K,
                                const char* fn) {
   int64_t trailer[4];
   std::memcpy(trailer, packed.data_ptr<uint8_t>() + packed.numel() - kTrailerBytes, sizeof(trailer));
@@ -217,7 +221,7 @@ struct Activations {
 //   (ldd apart) and code sums (ldd * 32 / sum_values apart; null unless asked for);
 // else x as float32 rows (bfloat16 widened, exactly), exact(x, ldx, mr, np, panels, c).
 template <typename T, typename A8, typename Exact>
-void run_product(const torch::Tensor& x, const Panels& panels, int64_t N, int64_t K, const T* bias, T* out,
+void run_product(const at::Tensor& x, const Panels& panels, int64_t N, int64_t K, const T* bias, T* out,
                  Activations act, TileShape a8_shape, const A8& a8, TileShape exact_shape, const Exact& exact) {
   const int64_t M = x.size(0), blocks = K / kBlock;
   if (act.quantize) {
@@ -238,7 +242,7 @@ void run_product(const torch::Tensor& x, const Panels& panels, int64_t N, int64_
       a8(q.get() + m * K, K, d.get() + m * blocks, s ? s.get() + m * sums : nullptr, blocks, mr, np, ptrs, c);
     });
   } else {
-    torch::Tensor xf = x;
+    at::Tensor xf = x;
     if (x.scalar_type() != at::kFloat) xf = x.to(at::kFloat, false, false, at::MemoryFormat::Contiguous);
     const float* xp = xf.data_ptr<float>();
     const int64_t ldx = xf.stride(0);
@@ -253,9 +257,9 @@ void run_product(const torch::Tensor& x, const Panels& panels, int64_t N, int64_
 // A linear's x and bias checked (fn names the entry point): x [M, K] float32 or bfloat16 (made unit-stride along K
 // where it is not), K a multiple of `block`, bias [N] in x's dtype or None.
 struct LinearArgs {
-  torch::Tensor x, bias;
+  at::Tensor x, bias;
 };
-inline LinearArgs linear_args(torch::Tensor x, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t K,
+inline LinearArgs linear_args(at::Tensor x, const c10::optional<at::Tensor>& bias, int64_t N, int64_t K,
                               int64_t block, const char* fn) {
   TORCH_CHECK(x.dim() == 2, fn, ": x must be [M, K], got ", x.dim(), " dimensions");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, fn,
@@ -263,7 +267,7 @@ inline LinearArgs linear_args(torch::Tensor x, const c10::optional<torch::Tensor
   TORCH_CHECK(K > 0 && K % block == 0, fn, ": K = ", K, " is not a multiple of ", block);
   TORCH_CHECK(x.size(1) == K, fn, ": x has ", x.size(1), " columns, the weight K = ", K);
   if (x.stride(1) != 1) x = x.contiguous();
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->contiguous();
     TORCH_CHECK(b.dim() == 1 && b.numel() == N && b.scalar_type() == x.scalar_type(), fn, ": bias must be [N] = [",
@@ -274,8 +278,8 @@ inline LinearArgs linear_args(torch::Tensor x, const c10::optional<torch::Tensor
 
 // The [M, N] output in x's dtype T; run(bias, out) fills it (bias: const T*, null for none), unless it is empty.
 template <typename Run>
-torch::Tensor linear_out(const LinearArgs& a, int64_t N, const Run& run) {
-  auto out = torch::empty({a.x.size(0), N}, a.x.options());
+at::Tensor linear_out(const LinearArgs& a, int64_t N, const Run& run) {
+  auto out = at::empty({a.x.size(0), N}, a.x.options());
   if (a.x.size(0) == 0 || N == 0) return out;
   if (a.x.scalar_type() == at::kFloat) {
     run(a.bias.defined() ? a.bias.data_ptr<float>() : static_cast<const float*>(nullptr), out.data_ptr<float>());

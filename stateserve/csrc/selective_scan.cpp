@@ -4,8 +4,12 @@
 // PyTorch path: per chunk, with a log-depth scan). Here each thread owns blocks of 16 channels (8 with AVX2), keeps
 // their N states in vector registers (one lane per channel) and streams the tokens once: memory stays O(L * D).
 // u, dt and z are read in the model dtype T where they lie (no float32 copies), and the gated output is written in T.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -235,12 +239,12 @@ void scan_channels(const ScanArgs<T>& p, int64_t L, int64_t d_begin, int64_t d_e
 }
 
 template <typename T>
-Rows<T> rows_of(const torch::Tensor& t) {
+Rows<T> rows_of(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0)};
 }
 
 // Last dimension contiguous (a column slice such as z of [x | z] is fine); converted only if not already dtype.
-torch::Tensor rows_in(const torch::Tensor& t, at::ScalarType dtype) {
+at::Tensor rows_in(const at::Tensor& t, at::ScalarType dtype) {
   auto r = t.scalar_type() == dtype ? t : t.to(dtype);
   return r.stride(1) == 1 ? r : r.contiguous();
 }
@@ -253,10 +257,10 @@ torch::Tensor rows_in(const torch::Tensor& t, at::ScalarType dtype) {
 // skip and gate fused in; without them y in float32. With T = bfloat16 the state is rounded to T before the product
 // with C and y once after it, as PyTorch's T matmul does.
 // Returns (y [L, D], final state [D, N] float32, states after each offset [num_offsets, D, N] float32).
-std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
-                                              torch::Tensor C, c10::optional<torch::Tensor> h0,
-                                              std::vector<int64_t> offsets, c10::optional<torch::Tensor> skip,
-                                              c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> dt_bias) {
+std::vector<at::Tensor> selective_scan_fwd(at::Tensor u, at::Tensor dt, at::Tensor A, at::Tensor B,
+                                              at::Tensor C, c10::optional<at::Tensor> h0,
+                                              std::vector<int64_t> offsets, c10::optional<at::Tensor> skip,
+                                              c10::optional<at::Tensor> z, c10::optional<at::Tensor> dt_bias) {
   const auto dtype = u.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "selective_scan_fwd: float32 or bfloat16 u");
   TORCH_CHECK(u.dim() == 2 && dt.dim() == 2 && A.dim() == 2 && B.dim() == 2 && C.dim() == 2,
@@ -270,21 +274,21 @@ std::vector<torch::Tensor> selective_scan_fwd(torch::Tensor u, torch::Tensor dt,
   for (int64_t off : offsets) TORCH_CHECK(off >= 1 && off <= L, "selective_scan_fwd: offset ", off, " outside 1..", L);
   const bool gated = z.has_value() && z->defined();
   TORCH_CHECK(gated == (skip.has_value() && skip->defined()), "selective_scan_fwd: D and z come together");
-  torch::Tensor Dv, zv;
+  at::Tensor Dv, zv;
   if (gated) {
     Dv = skip->to(at::kFloat).contiguous(), zv = rows_in(*z, dtype);
     TORCH_CHECK(Dv.numel() == D && zv.dim() == 2 && zv.size(0) == L && zv.size(1) == D,
                 "selective_scan_fwd: D [D] and z [L, D]");
   }
-  torch::Tensor bias;
+  at::Tensor bias;
   if (dt_bias.has_value() && dt_bias->defined()) {
     bias = dt_bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bias.numel() == D, "selective_scan_fwd: dt_bias [D]");
   }
   auto h = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone()
-                                             : torch::zeros({D, N}, u.options().dtype(at::kFloat));
-  auto y = torch::empty({L, D}, u.options().dtype(gated ? dtype : at::kFloat));
-  auto snaps = torch::empty({static_cast<int64_t>(offsets.size()), D, N}, h.options());
+                                             : at::zeros({D, N}, u.options().dtype(at::kFloat));
+  auto y = at::empty({L, D}, u.options().dtype(gated ? dtype : at::kFloat));
+  auto snaps = at::empty({static_cast<int64_t>(offsets.size()), D, N}, h.options());
   std::vector<int64_t> want(L + 1, -1);
   for (size_t i = 0; i < offsets.size(); ++i) want[offsets[i]] = static_cast<int64_t>(i);
   constexpr int64_t kLanes = 16;

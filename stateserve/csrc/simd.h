@@ -4,7 +4,12 @@
 // vector math written once over it: exp, softplus, SiLU, rounding to a dtype. cpu_kernels.py hashes the headers
 // into the build flags so edits trigger a rebuild.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include <type_traits>

@@ -1,8 +1,12 @@
 // Small per-token ops of a decode step fused into one pass each: at batch sizes of a few tokens, PyTorch spends
 // more time dispatching their 5-10 elementwise kernels than computing. Rounding follows the PyTorch expressions
 // they replace (see each comment).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -71,13 +75,13 @@ int64_t silu_and_mul_simd(const T* g, const T* u, T* o, int64_t n) {
 
 // RMSNorm of each row as transformers computes it: normalised in float32, cast to the input dtype, then
 // multiplied by the weight in that dtype. x: [M, H]; weight: [H], x's dtype.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: x [M, H] and weight [H] of the same dtype");
   x = x.contiguous();
   weight = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const int64_t M = x.size(0), H = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
@@ -125,14 +129,14 @@ void add_rms_norm_rows(R* res, const X* x, const W* w, W* out, int64_t M, int64_
 }
 }  // namespace
 
-torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor residual, at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && x.sizes() == residual.sizes() &&
                   weight.dim() == 1 && weight.size(0) == residual.size(1),
               "add_rms_norm_: residual [M, H] contiguous, x [M, H], weight [H]");
   const auto rt = residual.scalar_type(), xt = x.scalar_type(), wt = weight.scalar_type();
   x = x.contiguous();
   weight = weight.contiguous();
-  auto out = torch::empty(residual.sizes(), residual.options().dtype(wt));
+  auto out = at::empty(residual.sizes(), residual.options().dtype(wt));
   const int64_t M = residual.size(0), H = residual.size(1);
   const float e = static_cast<float>(eps);
   using bf = at::BFloat16;
@@ -179,8 +183,8 @@ int64_t conv_row_simd(const T* const* rows, int64_t K, int64_t C, const float* w
 // summed in float32 and rounded once, as F.conv1d does.
 // silu_float32: also apply silu (rounded to the input dtype, as F.silu on y would) and return float32, the dtype
 // the scan that follows wants, so neither the activation nor the conversion costs a pass of its own.
-torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tensor weight,
-                             c10::optional<torch::Tensor> bias, bool silu_float32) {
+at::Tensor conv1d_prefill(at::Tensor x, at::Tensor history, at::Tensor weight,
+                             c10::optional<at::Tensor> bias, bool silu_float32) {
   TORCH_CHECK(x.dim() == 2 && history.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(0) &&
                   history.size(1) == weight.size(0) && history.size(0) == weight.size(1) - 1,
               "conv1d_prefill: x [L, C], history [K-1, C] and weight [C, K]");
@@ -189,9 +193,9 @@ torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tens
   history = history.contiguous();
   const int64_t C = weight.size(0), K = weight.size(1), L = x.size(0), row_stride = x.stride(0);
   auto wt = weight.to(at::kFloat).t().contiguous();  // [K, C]: channel-contiguous taps
-  torch::Tensor b = (bias.has_value() && bias->defined()) ? bias->to(at::kFloat).contiguous()
-                                                         : torch::zeros({C}, wt.options());
-  auto y = torch::empty({L, C}, silu_float32 ? x.options().dtype(at::kFloat) : x.options());
+  at::Tensor b = (bias.has_value() && bias->defined()) ? bias->to(at::kFloat).contiguous()
+                                                         : at::zeros({C}, wt.options());
+  auto y = at::empty({L, C}, silu_float32 ? x.options().dtype(at::kFloat) : x.options());
   const float *wp = wt.data_ptr<float>(), *bp = b.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv1d_prefill", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *hp = history.data_ptr<scalar_t>();
@@ -225,7 +229,7 @@ torch::Tensor conv1d_prefill(torch::Tensor x, torch::Tensor history, torch::Tens
 // then sin halves; positions: [T] int64. As the PyTorch path: float32 products, rounded once to x's dtype.
 // Returns false, changing nothing, when a position is past the table (the caller grows it and calls again): checking
 // here costs nothing, while the caller's positions.max() was a few microseconds a layer in every decode step.
-bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tensor positions, int64_t rotary_dim) {
+bool rotary_(at::Tensor q, at::Tensor k, at::Tensor table, at::Tensor positions, int64_t rotary_dim) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == k.scalar_type(), "rotary_: q, k [T, heads, D]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
               "rotary_: heads must be contiguous within a token");
@@ -264,11 +268,11 @@ bool rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor table, torch::Tenso
 }
 
 // silu(gate) * up for x = [gate | up] of shape [M, 2I], rounded as F.silu(gate) * up in x's dtype.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x [M, 2I]");
   x = x.contiguous();
   const int64_t M = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({M, I}, x.options());
+  auto out = at::empty({M, I}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -290,14 +294,14 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // Mamba2 step sizes: clamp(softplus(dt + dt_bias), lo, hi) returned as float32, with the rounding of that PyTorch
 // expression in dt's dtype (the bias cast to it, the sum, softplus and the clamp bounds each rounded). dt: [S, H]
 // (any row stride), dt_bias: [H].
-torch::Tensor dt_softplus(torch::Tensor dt, torch::Tensor dt_bias, double lo, double hi) {
+at::Tensor dt_softplus(at::Tensor dt, at::Tensor dt_bias, double lo, double hi) {
   TORCH_CHECK(dt.dim() == 2 && dt_bias.dim() == 1 && dt_bias.size(0) == dt.size(1), "dt_softplus: dt [S, H], bias [H]");
   if (dt.stride(1) != 1) dt = dt.contiguous();  // rows may be a view into the input projection's output
   // float32 bias (the layer's cached copy) is read as it is and rounded to dt's dtype below; any other dtype is
   // converted once here (two small copies: a few microseconds, as much as the step sizes of a decode step)
   auto bias = dt_bias.scalar_type() == at::kFloat ? dt_bias.contiguous() : dt_bias.to(at::kFloat).contiguous();
   const int64_t S = dt.size(0), H = dt.size(1), row_stride = dt.stride(0);
-  auto out = torch::empty({S, H}, dt.options().dtype(at::kFloat));
+  auto out = at::empty({S, H}, dt.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt.scalar_type(), "dt_softplus", [&] {
     const scalar_t* dp = dt.data_ptr<scalar_t>();
     const float* bp = bias.data_ptr<float>();

@@ -9,8 +9,12 @@
 // step folds c into U instead (U_t = c_{t-1} decay_t U_{t-1} + x_t dt_t B_t^T, c_t = 1), so 1 / c_t stays finite.
 // Vectors run along the head's channels p, state columns n are broadcast: no horizontal sums. Per 4096-token
 // prefill of Mamba2-base (float32, 2 threads) this took the scan from ~7.3 to ~5.1 ms a layer per 2048 tokens.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -163,14 +167,14 @@ bool scan_rows_in_tiles(float* block, float* u, int64_t rows, const float* xp, c
 // x: [L, H, P], dt: [L, H] (after softplus and clamp), B, C: [L, G, N], A, D: [H] (D may be empty), h0: [H, P, N]
 // or empty (zeros); all float32; x, B and C may have any token stride. offsets: token counts (1..L) after which
 // the state is wanted. Returns (y [L, H, P], final state [H, P, N], states after each offset [num_offsets, H, P, N]).
-std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
-                                        torch::Tensor C, c10::optional<torch::Tensor> D,
-                                        c10::optional<torch::Tensor> h0, std::vector<int64_t> offsets) {
+std::vector<at::Tensor> ssd_scan_fwd(at::Tensor x, at::Tensor dt, at::Tensor A, at::Tensor B,
+                                        at::Tensor C, c10::optional<at::Tensor> D,
+                                        c10::optional<at::Tensor> h0, std::vector<int64_t> offsets) {
   for (const auto* t : {&x, &dt, &A, &B, &C})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "ssd_scan_fwd: float32 inputs");
   TORCH_CHECK(x.dim() == 3 && B.dim() == 3, "ssd_scan_fwd: x [L, H, P] and B, C [L, G, N]");
   // Token rows may be views into a wider buffer (the conv's output); within a token they must be dense.
-  auto rows_dense = [](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  auto rows_dense = [](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
   if (!rows_dense(x)) x = x.contiguous();
   if (!rows_dense(B) || !rows_dense(C) || B.stride(0) != C.stride(0)) B = B.contiguous(), C = C.contiguous();
   dt = dt.contiguous(), A = A.contiguous();
@@ -180,12 +184,12 @@ std::vector<torch::Tensor> ssd_scan_fwd(torch::Tensor x, torch::Tensor dt, torch
               "ssd_scan_fwd: shapes do not agree");
   for (int64_t off : offsets) TORCH_CHECK(off >= 1 && off <= L, "ssd_scan_fwd: offset ", off, " outside 1..", L);
   auto state = (h0.has_value() && h0->defined()) ? h0->to(at::kFloat).contiguous().clone()
-                                                 : torch::zeros({H, P, N}, x.options());
+                                                 : at::zeros({H, P, N}, x.options());
   TORCH_CHECK(state.numel() == H * P * N, "ssd_scan_fwd: initial state is not [H, P, N]");
-  torch::Tensor Dv;
+  at::Tensor Dv;
   if (D.has_value() && D->defined()) Dv = D->to(at::kFloat).contiguous();
-  auto y = torch::empty({L, H, P}, x.options());
-  auto snaps = torch::empty({static_cast<int64_t>(offsets.size()), H, P, N}, x.options());
+  auto y = at::empty({L, H, P}, x.options());
+  auto snaps = at::empty({static_cast<int64_t>(offsets.size()), H, P, N}, x.options());
   std::vector<int64_t> want(L + 1, -1);  // want[t] = index of the snapshot taken after t tokens
   for (size_t i = 0; i < offsets.size(); ++i) want[offsets[i]] = static_cast<int64_t>(i);
   if (L == 0) return {y, state, snaps};

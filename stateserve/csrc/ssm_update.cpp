@@ -3,8 +3,12 @@
 // result back: for a 24-layer Mamba2 that is ~150 MB of memory traffic per token; here it is one read and one
 // write of each state. The arithmetic follows the PyTorch path (ssd.ssd_decode_step) in float32. (Mamba1's
 // update is in mamba1_update.cpp.)
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <cmath>
 #include <type_traits>
 #include "kernels.h"
@@ -12,7 +16,7 @@
 
 namespace {
 // float32 and contiguous, converting at most once (float32 contiguous inputs pass through untouched).
-inline torch::Tensor f32(const torch::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+inline at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 }  // namespace
 
 namespace {
@@ -64,7 +68,7 @@ inline void ssd_head_update(S* state, const float* x, float dt, float A, const f
 // Runs body(states_ptr, s, h, g) for every sequence s and head h (g: the head's group) in parallel, with the
 // states' element type (float32 or bfloat16) dispatched once.
 template <typename Body>
-void for_each_sequence_head(const torch::Tensor& states, int64_t S, int64_t H, int64_t G, const Body& body) {
+void for_each_sequence_head(const at::Tensor& states, int64_t S, int64_t H, int64_t G, const Body& body) {
   const int64_t heads_per_group = H / G;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, states.scalar_type(), "ssd_heads", [&] {
     scalar_t* st = states.data_ptr<scalar_t>();
@@ -78,8 +82,8 @@ void for_each_sequence_head(const torch::Tensor& states, int64_t S, int64_t H, i
 
 // Mamba2 / SSD. states: [num_slots, H, P, N] float32; slots: [S] int64; x: [S, H, P], dt: [S, H] (after
 // softplus), B, C: [S, G, N], all float32; A, D: [H] float32 (D may be empty). Returns y: [S, H, P] float32.
-torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch::Tensor x, torch::Tensor dt,
-                                torch::Tensor A, torch::Tensor B, torch::Tensor C, c10::optional<torch::Tensor> D) {
+at::Tensor ssd_state_update_(at::Tensor states, at::Tensor slots, at::Tensor x, at::Tensor dt,
+                                at::Tensor A, at::Tensor B, at::Tensor C, c10::optional<at::Tensor> D) {
   TORCH_CHECK((states.scalar_type() == at::kFloat || states.scalar_type() == at::kBFloat16) && states.is_contiguous(),
               "ssd_state_update_: contiguous float32 or bfloat16 states");
   x = f32(x), dt = f32(dt), A = f32(A), B = f32(B), C = f32(C);
@@ -87,9 +91,9 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
   const int64_t S = x.size(0), H = x.size(1), P = x.size(2), N = states.size(3), G = B.size(1);
   TORCH_CHECK(states.size(1) == H && states.size(2) == P && B.size(2) == N && H % G == 0,
               "ssd_state_update_: shapes do not agree");
-  torch::Tensor Dv;
+  at::Tensor Dv;
   if (D.has_value() && D->defined()) Dv = D->contiguous().to(at::kFloat);
-  auto y = torch::empty({S, H, P}, x.options());
+  auto y = at::empty({S, H, P}, x.options());
   const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
   const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
@@ -106,10 +110,10 @@ torch::Tensor ssd_state_update_(torch::Tensor states, torch::Tensor slots, torch
 // arithmetic as those three kernels one after the other (the Python path), without the Python between them and
 // the copies of the x / B / C views. xbc: [S, conv_dim = H*P + 2*G*N] and dt: [S, H] in the model dtype; taps,
 // conv_bias: the layer's conv_taps(); dt_bias, A, D: [H] float32 (dt_bias holding model-dtype values).
-torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, torch::Tensor slots,
-                             torch::Tensor xbc, torch::Tensor dt, torch::Tensor taps,
-                             c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias, double dt_min,
-                             double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D, int64_t n_groups) {
+at::Tensor mamba2_decode_(at::Tensor conv_state, at::Tensor ssm_state, at::Tensor slots,
+                             at::Tensor xbc, at::Tensor dt, at::Tensor taps,
+                             c10::optional<at::Tensor> conv_bias, at::Tensor dt_bias, double dt_min,
+                             double dt_max, at::Tensor A, c10::optional<at::Tensor> D, int64_t n_groups) {
   TORCH_CHECK((ssm_state.scalar_type() == at::kFloat || ssm_state.scalar_type() == at::kBFloat16) &&
                   ssm_state.is_contiguous() && ssm_state.dim() == 4,
               "mamba2_decode_: contiguous float32 or bfloat16 ssm states [slots, H, P, N]");
@@ -121,10 +125,10 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
   auto conv_out = conv1d_update_(conv_state, slot_ids, xbc, taps, conv_bias, false, true);  // [S, conv_dim] f32
   auto steps = dt_softplus(dt, dt_bias, dt_min, dt_max);  // [S, H] f32
   A = f32(A);
-  torch::Tensor Dv;
+  at::Tensor Dv;
   if (D.has_value() && D->defined()) Dv = f32(*D);
   const int64_t S = xbc.size(0), conv_dim = xbc.size(1), inner = H * P;
-  auto y = torch::empty({S, H, P}, conv_out.options());
+  auto y = at::empty({S, H, P}, conv_out.options());
   const float *cp = conv_out.data_ptr<float>(), *dtp = steps.data_ptr<float>(), *Ap = A.data_ptr<float>();
   const float* Dp = Dv.defined() ? Dv.data_ptr<float>() : nullptr;
   const int64_t* sl = slot_ids.data_ptr<int64_t>();
@@ -142,13 +146,13 @@ torch::Tensor mamba2_decode_(torch::Tensor conv_state, torch::Tensor ssm_state, 
 // same roundings) without the Python and dispatch between them. x: [S, hidden] in the model dtype; in_weight
 // [gate I | xbc conv_dim | dt H, hidden], out_weight [hidden, I] (float or packed quantized: project()); norm_weight
 // [I] float32; the rest as mamba2_decode_ takes it. Returns [S, hidden].
-torch::Tensor mamba2_mixer_decode_(torch::Tensor x, torch::Tensor conv_state, torch::Tensor ssm_state,
-                                   torch::Tensor slots, torch::Tensor in_weight, c10::optional<torch::Tensor> in_bias,
-                                   torch::Tensor taps, c10::optional<torch::Tensor> conv_bias, torch::Tensor dt_bias,
-                                   double dt_min, double dt_max, torch::Tensor A, c10::optional<torch::Tensor> D,
-                                   int64_t n_groups, torch::Tensor norm_weight, int64_t norm_group_size,
-                                   double norm_eps, bool norm_before_gate, torch::Tensor out_weight,
-                                   c10::optional<torch::Tensor> out_bias, bool quantize_activations) {
+at::Tensor mamba2_mixer_decode_(at::Tensor x, at::Tensor conv_state, at::Tensor ssm_state,
+                                   at::Tensor slots, at::Tensor in_weight, c10::optional<at::Tensor> in_bias,
+                                   at::Tensor taps, c10::optional<at::Tensor> conv_bias, at::Tensor dt_bias,
+                                   double dt_min, double dt_max, at::Tensor A, c10::optional<at::Tensor> D,
+                                   int64_t n_groups, at::Tensor norm_weight, int64_t norm_group_size,
+                                   double norm_eps, bool norm_before_gate, at::Tensor out_weight,
+                                   c10::optional<at::Tensor> out_bias, bool quantize_activations) {
   const int64_t H = ssm_state.size(1), I = projection_inputs(out_weight), conv_dim = taps.size(1);
   TORCH_CHECK(projection_outputs(in_weight) == I + conv_dim + H && norm_weight.numel() == I,
               "mamba2_mixer_decode_: in_proj has ", projection_outputs(in_weight), " outputs, expected gate ", I, " + conv ",
