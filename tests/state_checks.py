@@ -1,10 +1,17 @@
-"""Engine-level checks every recurrent-state model gets (the Kimi Linear family, MiniMax): prefix caching resumed
-from snapshots and preemption with recompute, each compared with a cold engine on tokens and logprobs (a wrong
-state may leave decisive tokens alone, not their logprobs)."""
+"""Engine-level checks every recurrent-state model gets (Kimi Linear, MiniMax, LFM2, Qwen3.5, OLMo Hybrid, Zamba,
+RecurrentGemma, xLSTM, ...): prefix caching resumed from snapshots, preemption with recompute and speculative
+decoding's rollback, each compared with a cold engine on tokens and logprobs (a wrong state may leave decisive
+tokens alone, not their logprobs); and the bfloat16 teacher-forced logits beside transformers'."""
 from __future__ import annotations
 
+import copy
+import random
+
+import torch
+
 from stateserve import LLM, SamplingParams
-from utils import assert_cache_sized
+from stateserve.spec_decode.proposer import Proposer
+from utils import assert_cache_sized, engine_teacher_forced_logits, hf_logits
 
 
 def small_llm(path: str, **kw) -> LLM:
@@ -66,3 +73,94 @@ def check_preemption_exact(path: str, max_new: int) -> None:
         assert tight.llm_engine.stats["preemptions"] > 0
         tight.llm_engine.check_integrity()
         assert tight.llm_engine.cache.is_idle_and_full()
+
+
+_COLD: dict = {}
+
+
+def cold_scored(path: str, prompts, n: int = 6, **kw) -> list[tuple[list[int], list[float]]]:
+    """scored() on an engine without prefix caching, kept per model, prompts and engine options: one cold run
+    serves every mode of a parametrised test."""
+    key = (path, tuple(map(tuple, prompts)), n, tuple(sorted(kw.items())))
+    if key not in _COLD:
+        with small_llm(path, enable_prefix_caching=False, **kw) as cold:
+            _COLD[key] = scored(cold, prompts, n)
+    return _COLD[key]
+
+
+def check_prefix_cache_one_by_one(path: str, mode: str, prompts, rounds: int = 1, n: int = 6,
+                                  **kw) -> list[list[int]]:
+    """Each prompt alone, in order, `rounds` times over, on a prefix-caching engine: the cold engine's tokens and
+    logprobs every time. Returns each round's cached-token counts, for the caller's own hit assertions."""
+    ref = cold_scored(path, prompts, n, **kw)
+    hits = []
+    with small_llm(path, enable_prefix_caching=True, mamba_cache_mode=mode, **kw) as llm:
+        for _ in range(rounds):
+            outs = [llm.generate([{"prompt_token_ids": p}], greedy_params(n, logprobs=0), use_tqdm=False)[0]
+                    for p in prompts]
+            assert_same(tokens_and_logprobs(outs), ref)
+            hits.append([o.num_cached_tokens for o in outs])
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+    return hits
+
+
+class _Oracle(Proposer):
+    """Drafts plain decoding's next tokens, each replaced by a wrong one with probability 0.3, so every rollback
+    length happens."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.reference, self.rng = reference, random.Random(0)
+
+    def propose(self, wanted) -> None:
+        for req, k in wanted:
+            drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
+            req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
+
+
+def check_speculative_rollback_exact(path: str, monkeypatch) -> None:
+    """Drafts (30% wrong) verified in batched steps beside prefill chunks, the state rolled back to the last
+    accepted token, snapshots in mode all: the plain greedy tokens and logprobs on both passes (the second with
+    prefix hits)."""
+    from stateserve.spec_decode import speculator
+
+    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
+    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
+    kw = dict(max_num_batched_tokens=32)
+    with small_llm(path, enable_prefix_caching=False, **kw) as plain:
+        ref = scored(plain, prompts, 16)
+    with small_llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
+        llm.llm_engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
+        for _ in range(2):
+            assert_same(scored(llm, prompts, 16), ref)
+        stats = llm.llm_engine.stats
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def check_bfloat16_logits(hf, path: str, tokens: list[int], chunks) -> dict[int, float]:
+    """LLM(dtype="bfloat16") teacher-forced in `chunks`-token steps against transformers with the model cast to
+    bfloat16 (a copy: `hf` may be a module's shared model). Returns each chunk's max error.
+
+    Tolerance, from the computation: both sides round the same weights to bfloat16, then every activation (2^-9
+    relative) in a different order, so a logit's error is not a rounding of that logit but of the final hidden
+    state times the head: about 1% of the logits' spread (s ~ 4-5 for these decisive heads), sigma ~ 0.04, mean
+    |error| ~ 0.03; over ~10^4 logits the largest is ~4.5 sigma (measured 0.20-0.32). atol 0.5 (8 bfloat16 ulps of
+    logits in [8, 16)), rtol 0: the error does not grow with the logit. The mean must stay under one such ulp
+    (0.0625), and ours no further than transformers' own bfloat16 from float32 math on the same rounded weights
+    (measured 0.96-1.04 times): a state, norm or accumulation kept in bfloat16 where transformers keeps float32
+    would be further."""
+    ref = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), tokens)
+    exact = hf_logits(copy.deepcopy(hf).to(torch.bfloat16).float(), tokens)  # bfloat16 weights, float32 math
+    theirs = (ref - exact).abs().mean()
+    errors = {}
+    with small_llm(path, dtype="bfloat16") as llm:
+        for chunk in chunks:
+            ours = engine_teacher_forced_logits(llm, tokens, chunk)
+            torch.testing.assert_close(ours, ref, atol=0.5, rtol=0, msg=lambda m: f"chunk {chunk}: {m}")
+            assert (ours - ref).abs().mean() < 0.0625, chunk
+            assert (ours - exact).abs().mean() <= 1.25 * theirs, (chunk, (ours - exact).abs().mean(), theirs)
+            errors[chunk] = float((ours - ref).abs().max())
+    return errors

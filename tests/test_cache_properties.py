@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from stateserve.cache.block_pool import BlockPool, SlotPool
 from stateserve.cache.prefix import SnapshotIndex, block_hashes
-from stateserve.cache.manager import CacheManager
+from stateserve.cache.manager import NO_BLOCK, CacheManager
 from stateserve.core.request import Request, RequestStatus
 from stateserve.engine.scheduler import Scheduler
 from stateserve.sampling_params import SamplingParams
@@ -23,9 +23,12 @@ BS, NUM_BLOCKS, NUM_SLOTS, NUM_SNAPSHOTS, MAX_LEN = 4, 10, 3, 4, 16  # a request
 # derandomize off to search further)
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-# (KV blocks, state slots, prefix caching); state slots with prefix caching come with a SnapshotIndex
+WINDOW = 6  # sliding-window configs: a query reads its last 6 keys, so blocks before them are given back
+# (KV blocks, state slots, prefix caching[, window]); state slots with prefix caching come with a SnapshotIndex
 CONFIGS = {"kv": (True, False, False), "kv-prefix": (True, False, True), "hybrid": (True, True, False),
-           "hybrid-prefix": (True, True, True), "state": (False, True, False), "state-prefix": (False, True, True)}
+           "hybrid-prefix": (True, True, True), "state": (False, True, False), "state-prefix": (False, True, True),
+           "kv-window": (True, False, False, WINDOW), "kv-window-prefix": (True, False, True, WINDOW),
+           "hybrid-window-prefix": (True, True, True, WINDOW)}
 
 
 class FakeCache:
@@ -40,19 +43,24 @@ class FakeCache:
         self.state[dst] = self.state[src]
 
 
-def build(blocks: bool, slots: bool, prefix: bool, fake: FakeCache) -> CacheManager:
+def build(blocks: bool, slots: bool, prefix: bool, fake: FakeCache, window: int | None = None) -> CacheManager:
     snaps = SnapshotIndex(SlotPool(NUM_SNAPSHOTS, fake.zero_slot, first=NUM_SLOTS), fake.copy_slot) \
         if slots and prefix else None
     return CacheManager(BlockPool(NUM_BLOCKS) if blocks else None,
                         SlotPool(NUM_SLOTS, fake.zero_slot) if slots else None, BS,
-                        prefix_caching=prefix, snapshots=snaps)
+                        prefix_caching=prefix, snapshots=snaps, window=window)
 
 
 def check_contents(cm: CacheManager, fake: FakeCache, req: Request) -> None:
-    """The cache holds exactly req's computed tokens (after a hit too), and room for what is scheduled next."""
+    """The cache holds exactly req's computed tokens (after a hit too) that its next queries can read (with a
+    window: the last WINDOW - 1; the blocks wholly before them may have been given back), and room for what is
+    scheduled next."""
     n = req.num_computed_tokens
     if cm.block_pool is not None:
-        for p in range(n):
+        readable = 0 if cm.window is None else max(0, n - cm.window + 1)
+        assert req.num_released_blocks * BS <= readable, f"{req.request_id}: a block still in the window was freed"
+        assert req.block_ids[:req.num_released_blocks] == [NO_BLOCK] * req.num_released_blocks
+        for p in range(readable, n):
             assert fake.kv.get((req.block_ids[p // BS], p % BS)) == req.token_ids[p], f"{req.request_id} row {p}"
     if cm.slot_pool is not None and req.state_slot is not None:
         assert fake.state[req.state_slot] == tuple(req.token_ids[:n]), f"{req.request_id}: wrong state"
@@ -88,11 +96,18 @@ def run_chunk(cm: CacheManager, fake: FakeCache, req: Request, n: int, fail: boo
     cm.publish_blocks(req)
 
 
+def check_window_released(cm: CacheManager, req: Request) -> None:
+    """After allocate, a windowed request holds no block wholly before its window (they went back to the pool)."""
+    if cm.window is not None:
+        assert req.num_released_blocks == max(0, req.num_computed_tokens - cm.window + 1) // BS, \
+            f"{req.request_id}: blocks that left the window are still held"
+
+
 def check_holdings(cm: CacheManager, live: list[Request]) -> None:
     """check_integrity, and every reference and slot in use is held by a live request (no leak, no double free)."""
     cm.check_integrity()
     if cm.block_pool is not None:
-        refs = Counter(b for r in live for b in r.block_ids)
+        refs = Counter(b for r in live for b in r.block_ids if b != NO_BLOCK)
         assert cm.block_pool.ref_counts == [refs[i] for i in range(NUM_BLOCKS)], "ref counts != holdings"
         assert cm.block_pool.num_used == len(refs)
     if cm.slot_pool is not None:
@@ -128,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeCache()
-        self.cm = build(*self.config, self.fake)
+        self.cm = build(*self.config[:3], self.fake, *self.config[3:])
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.seen: list[list[int]] = []
@@ -176,6 +191,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         cm.allocate(req, n)
         check_contents(cm, self.fake, req)
+        check_window_released(cm, req)
         self.waiting.remove(req)
         self.running.append(req)
         self._run(req, n)
@@ -197,6 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.cm.can_allocate(req, n):
             return self.preempt_req(req)
         self.cm.allocate(req, n)
+        check_window_released(self.cm, req)
         if data.draw(st.integers(0, 9), label="step fails") == 0:
             run_chunk(self.cm, self.fake, req, n, fail=True)
             return self._end(req)  # the engine ends a failed step's requests
@@ -251,7 +268,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.fake = FakeCache()
-        self.cm = build(*self.config, self.fake)
+        self.cm = build(*self.config[:3], self.fake, *self.config[3:])
         self.sched = Scheduler(self.cm, max_num_seqs=self.MAX_SEQS, max_num_batched_tokens=self.MAX_BATCHED)
         self.live: dict[str, Request] = {}
         self.count = 0
@@ -311,7 +328,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         check_full(self.cm)
 
 
-@pytest.mark.parametrize("config", ["kv", "kv-prefix", "hybrid-prefix", "state-prefix"])
+@pytest.mark.parametrize("config", ["kv", "kv-prefix", "hybrid-prefix", "state-prefix", "kv-window-prefix",
+                                    "hybrid-window-prefix"])
 def test_scheduler_random_sequences(config):
     run_state_machine_as_test(type("M", (SchedulerMachine,), {"config": CONFIGS[config]}), settings=SETTINGS)
 
@@ -330,6 +348,38 @@ def test_prefix_hit_after_publish():
     cm.match_prefix(b)
     assert b.num_computed_tokens == 8 and b.restore_key is not None
     cm.allocate(b, 2)
+    check_contents(cm, fake, b)
+    check_holdings(cm, [b])
+    cm.free(b)
+    check_full(cm)
+
+
+def test_window_bounds_a_long_sequence_and_hits_without_early_blocks():
+    """A sequence much longer than the pool decodes in a 6-token window, holding at most 3 blocks; after the pool
+    has evicted its early blocks, a prompt extending it still resumes from the blocks of its window."""
+    fake = FakeCache()
+    cm = build(True, False, True, fake, window=WINDOW)
+    assert cm.peak_blocks(1000, 1) == 3 and cm.peak_blocks(8, 1) == 2 and build(True, False, True, fake).peak_blocks(
+        1000, 1) == 250
+    a = new_request(1, [0, 1, 2, 1, 0], max_tokens=100)
+    cm.match_prefix(a)
+    cm.allocate(a, a.num_tokens)
+    run_chunk(cm, fake, a, a.num_tokens)
+    for t in range(3 * NUM_BLOCKS * BS):  # three times the pool's tokens, one decode step each
+        a.append_token(t % 3)
+        assert cm.can_allocate(a, 1)
+        cm.allocate(a, 1)
+        check_window_released(cm, a)
+        assert len(a.block_ids) - a.num_released_blocks <= cm.peak_blocks(a.num_tokens, 1)
+        run_chunk(cm, fake, a, 1)
+        check_contents(cm, fake, a)
+        check_holdings(cm, [a])
+    cm.free(a)
+    b = new_request(2, a.token_ids + [2, 2])  # every early block of `a` was evicted for its later ones
+    assert cm.block_pool.lookup(cm.keys(b, 1)[0]) is None
+    cm.match_prefix(b)
+    assert b.num_computed_tokens == len(a.token_ids) // BS * BS and b.num_released_blocks > 0
+    cm.allocate(b, b.num_tokens - b.num_computed_tokens)
     check_contents(cm, fake, b)
     check_holdings(cm, [b])
     cm.free(b)

@@ -6,7 +6,6 @@ states, and the errors of bad configs. Prompts run well past the 6-token attenti
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 
@@ -15,17 +14,17 @@ import torch
 from transformers import RecurrentGemmaConfig
 from transformers import RecurrentGemmaForCausalLM as HfRecurrentGemma
 
-from stateserve import LLM, SamplingParams
+from stateserve import SamplingParams
 from stateserve.core.batch import SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.layers.rg_lru import linear_scan
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.recurrent_gemma import RecurrentGemmaForCausalLM as Ours
-from stateserve.spec_decode.proposer import Proposer
-from utils import assert_cache_sized, assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, \
-    hf_logits, save_model
+from state_checks import (check_preemption_exact, check_prefix_cache_one_by_one,
+                          check_speculative_rollback_exact, greedy_params, tokens_and_logprobs,
+                          scored, small_llm)
+from utils import assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits, save_model
 
-MIB = 1 << 20
 # r, r, a, r: two recurrent blocks between attention ones; GQA 4/2 heads of 8 with partial rotary (0.5); a 6-token
 # window; 4 gate blocks of 8 in the LRU (lru_width = hidden: transformers' decode cache is sized by hidden_size,
 # so its generate fails with a wider LRU); a soft cap the logits reach
@@ -34,7 +33,6 @@ CONFIG = dict(vocab_size=300, hidden_size=32, intermediate_size=128, num_attenti
               block_types=["recurrent", "recurrent", "attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
 PROMPTS = [[250], [7, 3, 2], list(range(20, 29)), list(range(100, 116)), list(range(40, 57)),
            [(17 * i) % 290 + 3 for i in range(40)]]
-LLM_KW = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=32 * MIB)
 
 
 def _build(tmp_path, **extra):
@@ -55,23 +53,6 @@ def _build(tmp_path, **extra):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("recurrent_gemma"))
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens with their logprobs: a slightly wrong state may leave decisive tokens alone, not logprobs."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_same(ours, ref, tol: float = 1e-4) -> None:
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
 
 
 def test_linear_scan_matches_the_sequential_recurrence():
@@ -97,11 +78,11 @@ def test_greedy_parity_chunked(built):
     hf, path = built
     ref = hf_greedy(hf, PROMPTS, 10)
     # 16-token steps: the 40-token prompt takes three chunks, and prefill chunks share steps with decodes
-    with LLM(path, max_num_batched_tokens=16, enable_prefix_caching=False, **LLM_KW) as llm:
-        scored = _scored(llm, PROMPTS, 10)
-        assert_greedy_matches([tokens for tokens, _ in scored], ref, hf, PROMPTS)
+    with small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        ours = scored(llm, PROMPTS, 10)
+        assert_greedy_matches([tokens for tokens, _ in ours], ref, hf, PROMPTS)
         # greedy tokens of this tiny model lean on the current token's embedding: its logprobs show a wrong state
-        for p, (tokens, logprobs) in zip(PROMPTS, scored):
+        for p, (tokens, logprobs) in zip(PROMPTS, ours):
             ref_lp = torch.log_softmax(hf_logits(hf, p + tokens)[len(p) - 1:-1], dim=-1)
             theirs = ref_lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
             torch.testing.assert_close(torch.tensor(logprobs), theirs, atol=1e-4, rtol=0)
@@ -113,7 +94,7 @@ def test_teacher_forced_logits(built):
     hf, path = built
     tokens = [(7 * i) % 290 + 3 for i in range(40)]  # far past the 6-token window
     ref = hf_logits(hf, tokens)
-    with LLM(path, **LLM_KW) as llm:
+    with small_llm(path) as llm:
         for chunk in (1, 7, 64):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4,
                                        msg=lambda m: f"chunk {chunk}: {m}")
@@ -125,7 +106,7 @@ def test_wider_lru_teacher_forced_logits(tmp_path):
     hf, path = _build(tmp_path, lru_width=48, num_key_value_heads=4, partial_rotary_factor=1.0)
     tokens = [(5 * i) % 290 + 3 for i in range(30)]
     ref = hf_logits(hf, tokens)
-    with LLM(path, **LLM_KW) as llm:
+    with small_llm(path) as llm:
         for chunk in (1, 11):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4,
                                        msg=lambda m: f"chunk {chunk}: {m}")
@@ -136,55 +117,23 @@ def _toks(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-_COLD: list = []
-
-
 @pytest.mark.parametrize("mode", ["all", "align"])
 def test_prefix_cache_snapshots(mode, built):
     """Conv and LRU snapshots at block boundaries (block size 8, 16-token steps: taken mid-chunk in `all`), resumed
     from on later prompts: the tokens and logprobs of a cold engine, with hits."""
-    _, path = built
     bs = 8
     shared = _toks(5 * bs + 3, 1)
     prompts = [shared + _toks(9, 2), shared + _toks(20, 3), shared + _toks(2, 4)]
-    kw = dict(block_size=bs, max_num_batched_tokens=16, **LLM_KW)
-    if not _COLD:  # one cold run serves both modes
-        with LLM(path, enable_prefix_caching=False, **kw) as cold:
-            _COLD.append(_scored(cold, prompts))
-    with LLM(path, enable_prefix_caching=True, mamba_cache_mode=mode, **kw) as llm:
-        outs = [llm.generate([{"prompt_token_ids": p}], _greedy(6), use_tqdm=False)[0] for p in prompts]
-        _assert_same([(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                                                o.outputs[0].logprobs)])
-                      for o in outs], _COLD[0])
-        hits = [o.num_cached_tokens for o in outs]
-        assert hits[0] == 0
-        if mode == "all":
-            assert hits[1] == hits[2] == 5 * bs
-        else:  # align: the second request ends a chunk where sharing stops, so the third gets the hit
-            assert hits[2] == 5 * bs
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
-
-
-# six prompts of 20-35 tokens, 16 new tokens each: every sequence needs three to four 16-token blocks
-SIX_MIXED = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+    [hits] = check_prefix_cache_one_by_one(built[1], mode, prompts, block_size=bs, max_num_batched_tokens=16)
+    assert hits[0] == 0
+    if mode == "all":
+        assert hits[1] == hits[2] == 5 * bs
+    else:  # align: the second request ends a chunk where sharing stops, so the third gets the hit
+        assert hits[2] == 5 * bs
 
 
 def test_preemption_recompute_gives_same_tokens(built):
-    """8 KV blocks for 5 running sequences: some are preempted and recomputed (their slots freed and zeroed) and
-    give the tokens of an engine with room for all."""
-    _, path = built
-    num_blocks, max_seqs, new = 8, 5, 16
-    assert max_seqs * math.ceil((min(map(len, SIX_MIXED)) + new) / 16) > num_blocks
-    kw = dict(skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False)
-    with LLM(path, kv_cache_memory_bytes=32 * MIB, **kw) as roomy:
-        ref = _scored(roomy, SIX_MIXED, new)
-    with LLM(path, num_gpu_blocks_override=num_blocks, max_num_seqs=max_seqs, **kw) as tight:
-        assert_cache_sized(tight, num_blocks, max_seqs)
-        _assert_same(_scored(tight, SIX_MIXED, new), ref)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
+    check_preemption_exact(built[1], 16)
 
 
 def test_states_after_decode_match_full_forward(built):
@@ -194,7 +143,7 @@ def test_states_after_decode_match_full_forward(built):
     tokens = [(11 * i) % 290 + 3 for i in range(22)]
     with torch.no_grad():
         hf(torch.tensor([tokens]), use_cache=True)  # transformers keeps these states on the modules
-    with LLM(path, enable_prefix_caching=False, **LLM_KW) as llm:
+    with small_llm(path, enable_prefix_caching=False) as llm:
         engine, runner = llm.llm_engine, llm.llm_engine.runner
         req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_index=0)
         try:
@@ -223,40 +172,9 @@ def test_states_after_decode_match_full_forward(built):
             engine.cache.free(req)
 
 
-class _Oracle(Proposer):
-    """Drafts plain decoding's next tokens, each replaced by a wrong one with probability 0.3, so every rollback
-    length happens."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
-        self.reference, self.rng = reference, random.Random(0)
-
-    def propose(self, wanted) -> None:
-        for req, k in wanted:
-            drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
-            req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
-
-
 def test_speculative_decoding_rolls_back_states(built, monkeypatch):
-    """Drafts verified round by round through the batched one-token update beside prefill chunks, the conv and
-    LRU states rolled back to the last accepted token, snapshots in mode all: the plain greedy tokens and logprobs,
-    on both passes (the second with prefix hits)."""
-    from stateserve.spec_decode import speculator
-
-    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
-    _, path = built
-    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
-    kw = dict(max_num_batched_tokens=32, **LLM_KW)
-    with LLM(path, enable_prefix_caching=False, **kw) as plain:
-        ref = _scored(plain, prompts, 16)
-    with LLM(path, enable_prefix_caching=True, mamba_cache_mode="all",
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
-        llm.llm_engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
-        for _ in range(2):
-            _assert_same(_scored(llm, prompts, 16), ref)
-        stats = llm.llm_engine.stats
-        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
+    """Drafts verified round by round through the batched one-token update: the conv and LRU states rolled back."""
+    check_speculative_rollback_exact(built[1], monkeypatch)
 
 
 def test_block_mixes_route():
@@ -282,4 +200,53 @@ def test_bad_configs_name_what_is_wrong(tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match="unknown block type 'local_attention'"):
-        LLM(path, **LLM_KW)
+        small_llm(path)
+
+
+# ---- the window-bounded KV cache -----------------------------------------------------------------------------------
+LONG = [[(13 * i + 5) % 290 + 3 for i in range(60)], [(7 * i + 2) % 290 + 3 for i in range(45)]]
+
+
+def _hf_logprobs(hf, prompt: list[int], out: list[int]) -> list[float]:
+    """transformers' logprob of each generated token, teacher-forced over prompt + output."""
+    logp = torch.log_softmax(hf_logits(hf, prompt + out).double(), -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
+
+
+def test_kv_blocks_leaving_the_window_are_given_back(built):
+    """Every attention layer declares its 6-token window, so the cache gives back blocks that leave it: sequences of
+    60 + 30 tokens (23 blocks of 4 each) run two at a time in a 6-block cache (without the give-back the 60-token
+    prompt is refused: it needs 15 blocks), with transformers' tokens and logprobs."""
+    hf, path = built
+    ref = hf_greedy(hf, LONG, 30)
+    with small_llm(path, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False,
+                   num_gpu_blocks_override=6) as tight:
+        assert tight.llm_engine.cache.window == 6
+        # the window mask comes from host-side lengths each step: no decode graph may freeze it
+        assert "sliding-window" in tight.llm_engine.runner.model_state.graph_unsupported_reason()
+        ours = scored(tight, LONG, 30)
+        tight.llm_engine.check_integrity()
+        assert tight.llm_engine.cache.is_idle_and_full()
+    assert [t for t, _ in ours] == ref
+    for prompt, (tokens, logprobs) in zip(LONG, ours):
+        assert max(abs(a - b) for a, b in zip(logprobs, _hf_logprobs(hf, prompt, tokens))) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_window_prefix_hit_needs_only_the_window_blocks(built, mode):
+    """In a 7-block cache the first pass evicts its own early blocks; a prompt extending it still resumes (the
+    blocks of the last window and an LRU snapshot suffice), with transformers' tokens and logprobs."""
+    hf, path = built
+    first, second = LONG[0], LONG[0] + [9, 8, 7]
+    ref = hf_greedy(hf, [second], 8)[0]
+    with small_llm(path, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True, mamba_cache_mode=mode,
+                   num_gpu_blocks_override=7) as llm:
+        scored(llm, [first], 4)
+        cache = llm.llm_engine.cache
+        assert cache.block_pool.lookup(cache.keys(Request("x", second, SamplingParams(), 0), 1)[0]) is None
+        outs = llm.generate([{"prompt_token_ids": second}], greedy_params(8, logprobs=0), use_tqdm=False)
+        assert outs[0].num_cached_tokens >= 56
+        [(tokens, logprobs)] = tokens_and_logprobs(outs)
+        assert tokens == ref
+        assert max(abs(a - b) for a, b in zip(logprobs, _hf_logprobs(hf, second, tokens))) < 1e-4
+        llm.llm_engine.check_integrity()

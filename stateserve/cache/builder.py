@@ -34,6 +34,7 @@ class CacheRequest:
     graph_scratch: bool = False  # keep one KV block and one state slot back for CUDA-graph padding rows
     num_blocks_override: int | None = None  # exactly this many KV blocks, whatever the budget (tests)
     spare_slots_per_seq: int = 0  # speculative decoding: states kept per sequence while drafts are verified
+    max_chunk_tokens: int | None = None  # the most tokens of one sequence in a step (None: max_model_len)
 
 
 @dataclass(eq=False)
@@ -67,14 +68,26 @@ def _reserve_scratch(plan: CachePlan, has_kv: bool, has_state: bool
     return plan, scratch_block, scratch_slot
 
 
+def common_window(kv_specs: dict[str, KVCacheSpec]) -> int | None:
+    """The sliding window every attention layer shares, if they all have the same one (else None: a layer that
+    reads every key keeps every block; LFM3 mixes such layers with windowed ones)."""
+    windows = {getattr(spec, "sliding_window", None) for spec in kv_specs.values()}
+    return windows.pop() if len(windows) == 1 else None
+
+
 def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], req: CacheRequest,
                  device: torch.device) -> Caches:
     graph_scratch = req.graph_scratch
+    window = common_window(kv_specs)
+    tokens_per_seq = req.max_model_len  # what one sequence's blocks span at most, for the planner's cap
+    if window is not None:
+        chunk = req.max_chunk_tokens or req.max_model_len
+        tokens_per_seq = min(tokens_per_seq, (-(-(window - 1 + chunk) // req.block_size) + 1) * req.block_size)
     num_blocks = req.num_blocks_override
     if num_blocks is not None and graph_scratch and kv_specs:
         num_blocks += 1  # the scratch block of graph padding comes on top: the override counts usable blocks
     plan = plan_caches(kv_specs, state_specs, budget_bytes=req.budget_bytes, block_size=req.block_size,
-                       max_num_seqs=req.max_num_seqs, max_model_len=req.max_model_len,
+                       max_num_seqs=req.max_num_seqs, max_model_len=tokens_per_seq,
                        num_extra_slots=req.num_snapshot_slots + (1 if graph_scratch and state_specs else 0),
                        num_blocks_override=num_blocks, spare_slots_per_seq=req.spare_slots_per_seq)
     scratch_block = scratch_slot = None
@@ -100,5 +113,5 @@ def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateS
             snapshot_pool = SlotPool(num_snapshot_slots, storage.zero_slot, first=plan.num_running_slots)
             snapshots = SnapshotIndex(snapshot_pool, storage.copy_slot)
     manager = CacheManager(block_pool, slot_pool, req.block_size, prefix_caching=req.prefix_caching,
-                           snapshots=snapshots)
+                           snapshots=snapshots, window=window)
     return Caches(plan, storage, manager, graph_scratch, scratch_block, scratch_slot)

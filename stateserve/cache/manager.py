@@ -1,16 +1,28 @@
 """Hands KV blocks, state slots and prefix-cache hits to requests and takes them back; the scheduler's
-only view of memory. Model-kind independent: it knows there may be KV blocks, state slots, and snapshots."""
+only view of memory. Model-kind independent: it knows there may be KV blocks, state slots, and snapshots.
+
+Sliding window (`window`, when every attention layer sees only its last `window` keys): a query at position p reads
+keys p - window + 1 .. p, so before a step whose first new token sits at p0 the blocks wholly before p0 - window + 1
+are given back (a published one stays findable by its prefix key until evicted). Their block_ids entries become
+NO_BLOCK and req.num_released_blocks counts them; a sequence then holds at most about (window + chunk) / block_size
+blocks however long it grows, and a prefix hit needs only the blocks of the window before its resume point."""
 from __future__ import annotations
 
 from stateserve.cache.block_pool import BlockPool, SlotPool
 from stateserve.cache.prefix import SnapshotIndex, block_hashes
 from stateserve.core.request import Request
 
+NO_BLOCK = -1  # a block_ids entry whose block a sliding window gave back
+
 
 class CacheManager:
     def __init__(self, block_pool: BlockPool | None, slot_pool: SlotPool | None, block_size: int, *,
-                 prefix_caching: bool = False, snapshots: SnapshotIndex | None = None) -> None:
+                 prefix_caching: bool = False, snapshots: SnapshotIndex | None = None,
+                 window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be at least 1")
         self.block_pool, self.slot_pool, self.block_size = block_pool, slot_pool, block_size
+        self.window = window if block_pool is not None else None
         self.prefix_caching = prefix_caching
         self.snapshots = snapshots  # None: no recurrent-state reuse (attention-only, or mamba_cache_mode=none)
         self.num_queried_tokens = 0
@@ -26,7 +38,32 @@ class CacheManager:
     def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
         if self.slot_pool is not None and req.state_slot is None and not self.slot_pool.can_allocate(1):
             return False
-        return self.block_pool is None or self.block_pool.can_allocate(self.num_new_blocks(req, num_new_tokens))
+        if self.block_pool is None:
+            return True
+        released = self._first_kept_block(req.num_computed_tokens) - req.num_released_blocks
+        return self.block_pool.can_allocate(max(0, self.num_new_blocks(req, num_new_tokens) - released))
+
+    def _first_kept_block(self, first_query_pos: int) -> int:
+        """The first block a query at first_query_pos or later still reads (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, first_query_pos - self.window + 1) // self.block_size
+
+    def release_outside_window(self, req: Request) -> None:
+        """Give back the blocks no query from req's next token on can read (nothing without a window)."""
+        first = min(self._first_kept_block(req.num_computed_tokens), len(req.block_ids))
+        if first <= req.num_released_blocks:
+            return
+        self.block_pool.free(req.block_ids[req.num_released_blocks:first])
+        req.block_ids[req.num_released_blocks:first] = [NO_BLOCK] * (first - req.num_released_blocks)
+        req.num_released_blocks = first
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once when it runs in chunks of up to max_chunk."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return blocks
+        return min(blocks, -(-(self.window - 1 + max_chunk) // self.block_size) + 1)
 
     def allocate(self, req: Request, num_new_tokens: int) -> None:
         if self.slot_pool is not None and req.state_slot is None:
@@ -35,12 +72,15 @@ class CacheManager:
                 raise RuntimeError("prefix hit on a recurrent snapshot that is gone")
             req.restore_key = None
         if self.block_pool is not None:
+            if self.window is not None:
+                self.release_outside_window(req)
             req.block_ids.extend(self.block_pool.allocate(self.num_new_blocks(req, num_new_tokens)))
 
     def free(self, req: Request) -> None:
         if self.block_pool is not None and req.block_ids:
-            self.block_pool.free(req.block_ids)
+            self.block_pool.free(req.block_ids[req.num_released_blocks:])
         req.block_ids = []
+        req.num_released_blocks = 0
         req.num_published_blocks = 0
         req.restore_key = None
         req.prefix_matched = False
@@ -74,28 +114,41 @@ class CacheManager:
         limit = (req.num_tokens - 1) // self.block_size
         keys = self.keys(req, limit)
         self.num_queried_tokens += req.num_tokens
-        k = 0
-        if self.block_pool is not None:
-            while k < limit and self.block_pool.lookup(keys[k]) is not None:
-                k += 1
-        elif self.snapshots is not None:
-            k = limit
-        if self.slot_pool is not None:
-            if self.snapshots is None:
-                k = 0
-            while k > 0 and keys[k - 1] not in self.snapshots:
-                k -= 1
+        k = self._longest_resumable_prefix(keys, limit)
         if k == 0:
             return
         if self.block_pool is not None:
-            req.block_ids = [self.block_pool.lookup(h) for h in keys[:k]]
-            for b in req.block_ids:
+            first = self._first_kept_block(k * self.block_size)
+            req.block_ids = [NO_BLOCK] * first + [self.block_pool.lookup(h) for h in keys[first:k]]
+            for b in req.block_ids[first:]:
                 self.block_pool.touch(b)
+            req.num_released_blocks = first
             req.num_published_blocks = k
         if self.slot_pool is not None:
             req.restore_key = keys[k - 1]
         req.num_computed_tokens = req.num_cached_tokens = k * self.block_size
         self.num_hit_tokens += k * self.block_size
+
+    def _longest_resumable_prefix(self, keys: list[bytes], limit: int) -> int:
+        """The most leading blocks (<= limit) after which a request can resume: every block its next queries read
+        is cached (all of them; with a window, those of the window only) and, with recurrent layers, a snapshot
+        exists at that block's end."""
+        if self.slot_pool is None and self.block_pool is None:
+            return 0
+        if self.slot_pool is not None and self.snapshots is None:
+            return 0  # recurrent layers with no snapshots: no state to resume from
+        run = 0  # cached blocks in a row ending at block k - 1
+        best = 0
+        for k in range(1, limit + 1):
+            if self.block_pool is not None:
+                run = run + 1 if self.block_pool.lookup(keys[k - 1]) is not None else 0
+                if run < k - self._first_kept_block(k * self.block_size):
+                    if self.window is None:
+                        break  # every later k needs this block too
+                    continue
+            if self.slot_pool is None or keys[k - 1] in self.snapshots:
+                best = k
+        return best
 
     def unmatch(self, req: Request) -> None:
         """Admission failed after match_prefix: give the blocks back, start over next time."""
@@ -114,7 +167,7 @@ class CacheManager:
         if full <= req.num_published_blocks:
             return
         keys = self.keys(req, full)
-        for b in range(req.num_published_blocks, full):
+        for b in range(max(req.num_published_blocks, req.num_released_blocks), full):
             self.block_pool.publish(req.block_ids[b], keys[b])
         req.num_published_blocks = full
 

@@ -14,11 +14,15 @@ def _elem_size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Paged K and V for one attention layer: storage is [num_blocks, num_kv_heads, block_size, head_dim] each."""
+    """Paged K and V for one attention layer: storage is [num_blocks, num_kv_heads, block_size, head_dim] each.
+
+    sliding_window: the layer's queries see only keys fewer than this many positions back (None: every key). When
+    every attention layer of a model has the same window, the cache manager gives back the blocks that left it."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     def block_shapes(self, block_size: int) -> tuple[tuple[int, ...], ...]:
         """The shape of one block in each tensor the layer keeps (K, then V)."""

@@ -33,7 +33,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # one per logical block; NO_BLOCK where a window gave it back
+    num_released_blocks: int = 0  # leading block_ids given back by a sliding-window cache (owned by CacheManager)
     state_slot: int | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None

@@ -113,7 +113,7 @@ class LLMEngine:
                                  "truncate_prompt_tokens")
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_model_len={self.max_prompt_len}")
         if self.cache.block_pool is not None:
-            needed = -(-len(token_ids) // self.config.block_size)
+            needed = self.cache.peak_blocks(len(token_ids), self.config.max_num_batched_tokens)
             if needed > self.cache.max_blocks():
                 raise ValueError(f"prompt of {len(token_ids)} tokens needs {needed} KV blocks but the cache has "
                                  f"only {self.cache.max_blocks()}; raise kv_cache_memory_bytes")

@@ -20,17 +20,25 @@ class Attention(nn.Module):
     """softmax(q k^T * scale) v with GQA, causal or not. Holds no weights."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 dtype: torch.dtype, *, causal: bool = True, uses_cache: bool = True) -> None:
+                 dtype: torch.dtype, *, causal: bool = True, uses_cache: bool = True,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be at least 1")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.dtype, self.causal, self.uses_cache = scale, dtype, causal, uses_cache
+        # declared in the cache spec only: the model masks the window (a PositionBias); the cache manager may then
+        # give back blocks before it, which only the biased path below reads around (metadata's block_offsets)
+        self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None  # [num_blocks, KH, block_size, D], bound by the runner
         self.v_cache: torch.Tensor | None = None
 
     def cache_spec(self) -> KVCacheSpec | None:
-        return KVCacheSpec(self.num_kv_heads, self.head_dim, self.dtype) if self.uses_cache else None
+        if not self.uses_cache:
+            return None
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, self.dtype, self.sliding_window)
 
     def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -72,12 +80,16 @@ class Attention(nn.Module):
         if cached:
             self.write_kv(k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        bs = self.block_size if cached else 0
         if cached and meta.decode_rows is not None and meta.decode_rows.numel():
-            num_blocks = -(-meta.decode_max_seq_len // self.block_size)
+            # a table row starts at its sequence's first kept block (block_offsets: blocks a window gave back)
+            first = meta.decode_block_offsets * bs if meta.decode_block_offsets is not None else None
+            num_blocks = meta.decode_max_table_blocks or -(-meta.decode_max_seq_len // bs)
             kd, vd = (x.to(q.dtype) for x in self.cached_kv(meta.decode_block_tables[:, :num_blocks],
-                                                             num_blocks * self.block_size))  # [Sd, KH, nb*bs, D]
+                                                             num_blocks * bs))  # [Sd, KH, nb*bs, D]
             # each query sits at seq_len - 1; the padding keys past it count as later keys, so causal masks them
-            rel = torch.arange(kd.shape[2], device=q.device) - (meta.decode_seq_lens[:, None, None] - 1)
+            last = meta.decode_seq_lens - 1 if first is None else meta.decode_seq_lens - 1 - first
+            rel = torch.arange(kd.shape[2], device=q.device) - last[:, None, None]
             mask = bias.scores("decode", rel, True, q.dtype)  # [Sd, H, 1, nb*bs]
             od = self._sdpa(q.index_select(0, meta.decode_rows).unsqueeze(2), kd, vd, mask, False).squeeze(2)
             if od.shape[0] == q.shape[0]:
@@ -87,9 +99,9 @@ class Attention(nn.Module):
             start, qlen, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
             if ctx == 0 or not cached:  # the keys are the chunk's own, at the queries' positions
                 first, ki, vi = ctx, k[start:start + qlen].transpose(0, 1), v[start:start + qlen].transpose(0, 1)
-            else:
-                first = 0
-                ki, vi = self.cached_kv(meta.block_tables[i, :-(-(ctx + qlen) // self.block_size)], ctx + qlen)
+            else:  # the keys from the sequence's first kept block on
+                first = meta.block_offsets[i] * bs if meta.block_offsets is not None else 0
+                ki, vi = self.cached_kv(meta.block_tables[i, :-(-(ctx + qlen - first) // bs)], ctx + qlen - first)
             keys = torch.arange(first, ctx + qlen, device=q.device)
             rel = keys[None, :] - torch.arange(ctx, ctx + qlen, device=q.device)[:, None]  # [Lq, Lk]
             mask = bias.scores(("prefill", i), rel, self.causal, q.dtype).unsqueeze(0)  # [1, H, Lq, Lk]
@@ -103,6 +115,9 @@ class Attention(nn.Module):
         # q: [T, H, D]; k, v: [T, KH, D] -> [T, H, D]; bias: added to the scores (T5's relative positions)
         if bias is not None:
             return self._forward_biased(q, k, v, meta, bias)
+        if meta.block_offsets is not None:
+            raise RuntimeError("block tables start past position 0 (a sliding window gave blocks back) but this step "
+                               "has no window mask: the model must pass its window bias in such steps")
         if self.k_cache is None:
             return self._prefill(q, k, v, meta, range(len(meta.query_lens)), torch.empty_like(q))
         self.write_kv(k, v, meta.slot_mapping)
@@ -118,7 +133,8 @@ class Attention(nn.Module):
         write_kv_cache and paged_decode_attention for this layer, as forward would; None where forward would not
         take those kernels (no cache, not a decode-only step, another device or dtype, no kernels)."""
         k_cache = self.k_cache
-        if k_cache is None or not meta.is_decode_only or self.v_cache.dtype != k_cache.dtype:
+        if k_cache is None or not meta.is_decode_only or self.v_cache.dtype != k_cache.dtype or \
+                meta.block_offsets is not None:
             return None
         table = kernels.table(k_cache.device)
         if table.write_kv(k_cache.dtype) is None or table.decode_attention(dtype, k_cache.dtype) is None:

@@ -27,6 +27,11 @@ class AttnMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [Sd]
     decode_max_seq_len: int = 0
     prefill_seqs: list[int] = field(default_factory=list)  # the other sequences, attended one by one
+    # Sliding-window caches (cache/manager.py): blocks before a sequence's window were given back, so its block
+    # table row starts at logical block block_offsets[i] (position block_offsets[i] * bs). None: every row starts at 0.
+    block_offsets: list[int] | None = None  # [S]
+    decode_block_offsets: torch.Tensor | None = None  # [Sd] long
+    decode_max_table_blocks: int = 0  # the longest decode table row in use (0: derive from decode_max_seq_len)
 
 
 @dataclass

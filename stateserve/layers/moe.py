@@ -9,13 +9,19 @@ Checkpoint layouts (transformers 5.24 `save_pretrained`, which writes the origin
               `experts.N.down_proj.weight` [H, I]; Mixtral spells them w1 / w3 / w2.
   fused       GraniteMoe(Hybrid): `input_linear.weight` [E, 2I, H] (gate rows first), `output_linear.weight`
               [E, H, I]; transformers' in-memory names `experts.gate_up_proj` / `experts.down_proj` are the same.
+  3-D fused  transformers 5.24's in-memory layout, which save_pretrained(save_original_format=False) writes and some
+              hub checkpoints carry, for the per_expert families too: `<block>.experts.gate_up_proj` [E, 2I, H]
+              (its conversion stacks experts on dim 0, then concatenates gate then up on dim 1; forward chunks
+              the product gate-first), `<block>.experts.down_proj` [E, H, I]; non-gated experts (NemotronH)
+              `<block>.experts.up_proj` [E, I, H]. split_fused_experts cuts them back into per-expert names at load
+              (ModelBase.expand_weight), so they land in the per_expert storage.
 The strict loader narrows stacked shards on dim 0 only, so the storage follows the layout: per_expert keeps
 [E * 2I, H] / [E * H, I] with one shard per expert matrix, fused keeps [E, 2I, H] / [E, H, I]; `forward`
 views both as [E, 2I, H] / [E, H, I]."""
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,12 @@ _PER_EXPERT = {"gate_proj": ("experts_gate_up", 0), "w1": ("experts_gate_up", 0)
 _PER_EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 _FUSED = {"input_linear.weight": "experts_gate_up", "experts.gate_up_proj": "experts_gate_up",
           "output_linear.weight": "experts_down", "experts.down_proj": "experts_down"}
+
+# 3-D fused expert tensor suffix -> the per-expert projections it holds, cut in equal parts on dim 1 in this order
+FUSED_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gated": {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)},
+    "non_gated": {"experts.up_proj": ("up_proj",), "experts.down_proj": ("down_proj",)},
+}
 
 _ROUTER = {"gate.weight": "router.weight", "router.weight": "router.weight", "router.layer.weight": "router.weight",
            "router.bias": "router.bias"}
@@ -79,6 +91,24 @@ class ExpertMatrices:
         if self.expert_products is not None and name in self.expert_products:
             return self.expert_products[name][e](x)
         return F.linear(x, matrices[name][e])
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor, layout: str) -> Iterable[tuple[str, torch.Tensor]] | None:
+    """A 3-D fused expert tensor (`<block>.experts.gate_up_proj` [E, 2I, H] ...; FUSED_EXPERT_LAYOUTS[layout]) ->
+    its per-expert matrices as `<block>.experts.N.{gate,up,down}_proj.weight` [I, H] / [H, I], the names
+    transformers 5.24's save_pretrained writes for the same weights; None when `name` is no such tensor."""
+    for suffix, projs in FUSED_EXPERT_LAYOUTS[layout].items():
+        if name == suffix or name.endswith("." + suffix):
+            break
+    else:
+        return None
+    if tensor.dim() != 3 or tensor.shape[1] % len(projs):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; a fused expert tensor is "
+                         f"[num_experts, {' + '.join(projs)} rows, in_features] (3-D, rows splitting evenly)")
+    prefix = name[:-len(suffix)] + "experts."
+    return [(f"{prefix}{e}.{proj}.weight", part)
+            for e, matrix in enumerate(tensor.unbind(0))
+            for proj, part in zip(projs, matrix.chunk(len(projs), dim=0))]
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -9,21 +9,25 @@ from stateserve.core.batch import InputBatch
 
 
 def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.device) -> AttnMetadata:
+    """Slot mapping and block tables of a step. A table row lists a sequence's blocks from its first kept one: a
+    sliding-window cache gives back the blocks before the window (their block_ids entries are NO_BLOCK)."""
     slot_mapping: list[int] = []
     for req, c, q in zip(batch.requests, batch.context_lens, batch.query_lens):
         blocks = req.block_ids
         slot_mapping.extend(blocks[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    offsets = [req.num_released_blocks for req in batch.requests]
     seq_lens = batch.seq_lens
-    max_blocks = max(len(r.block_ids) for r in batch.requests)
+    max_blocks = max(len(r.block_ids) - off for r, off in zip(batch.requests, offsets))
     tables = torch.zeros(len(batch.requests), max_blocks, dtype=torch.long)
-    for i, req in enumerate(batch.requests):
-        tables[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.long)
+    for i, (req, off) in enumerate(zip(batch.requests, offsets)):
+        tables[i, :len(req.block_ids) - off] = torch.tensor(req.block_ids[off:], dtype=torch.long)
     decode = [i for i, (c, q) in enumerate(zip(batch.context_lens, batch.query_lens)) if q == 1 and c > 0]
     decode_set = set(decode)
     prefill = [i for i in range(len(batch.requests)) if i not in decode_set]
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
     decode_t = torch.tensor(decode, dtype=torch.long)
     rows = torch.tensor([batch.query_start_loc[i] for i in decode], dtype=torch.long)
+    windowed = any(offsets)
     return AttnMetadata(
         query_start_loc=batch.query_start_loc, query_lens=batch.query_lens, context_lens=batch.context_lens,
         seq_lens=seq_lens, is_decode_only=batch.is_decode_only,
@@ -35,7 +39,12 @@ def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.
         decode_block_tables=tables[decode_t].to(device, non_blocking=True),
         decode_seq_lens=seq_lens_t[decode_t].to(device, non_blocking=True),
         decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
-        prefill_seqs=prefill)
+        prefill_seqs=prefill,
+        block_offsets=offsets if windowed else None,
+        decode_block_offsets=torch.tensor([offsets[i] for i in decode], dtype=torch.long).to(device)
+        if windowed else None,
+        decode_max_table_blocks=max((len(batch.requests[i].block_ids) - offsets[i] for i in decode), default=0)
+        if windowed else 0)
 
 
 class DefaultModelState(ModelState):
@@ -52,7 +61,7 @@ class DefaultModelState(ModelState):
             return super().graph_unsupported_reason()
         if self.model.dynamic_rope:
             return "dynamic NTK rope reads host-side sequence lengths each step"
-        return None
+        return self.model.graph_blocker
 
     def graph_meta(self, buffers: GraphBuffers, size: int, width: int) -> ForwardMeta:
         return ForwardMeta(size, attn=graph_attn_metadata(buffers, size, width) if self.uses_kv_cache else None)

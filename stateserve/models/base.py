@@ -6,12 +6,13 @@ Layers that need a cache expose cache_spec()/bind_cache(); the model never alloc
 the runner or a model state may consult is declared here with its default, so none is found by probing."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
 
 from stateserve.layers.metadata import ForwardMeta
+from stateserve.layers.moe import split_fused_experts
 
 
 class ModelBase(nn.Module):
@@ -24,10 +25,15 @@ class ModelBase(nn.Module):
     default_pooling_mode: ClassVar[str] = "cls"
     # dynamic NTK rope reads host-side sequence lengths each step (no decode graphs); set by models that have it
     dynamic_rope: bool = False
+    # why the forward reads other host-side step values a replayed decode graph would freeze (None: it reads none)
+    graph_blocker: str | None = None
     # encoder-decoder models: the decoder's start token, and whether it is put before a decoder prompt given
     # without it (transformers' generate does for BART and T5, not for Whisper)
     decoder_start_token_id: int | None = None
     prepends_decoder_start: ClassVar[bool] = True
+    # MoE families whose experts load per expert: the layout ("gated" or "non_gated") of the 3-D fused expert
+    # tensors that expand_weight splits into per-expert names (None: no fused expert tensors are split)
+    fused_experts: ClassVar[str | None] = None
 
     # ---- class hooks: routing and limits -------------------------------------------------------
     @classmethod
@@ -76,6 +82,20 @@ class ModelBase(nn.Module):
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint tensor name -> (parameter name, shard index or None); None skips the tensor."""
         return name, None
+
+    def expand_weight(self, name: str, tensor: Any) -> Iterable[tuple[str, Any]]:
+        """One checkpoint tensor -> the (name, tensor) pairs the loader then places one by one with
+        map_weight_name; called on every tensor before map_weight_name. For a tensor no single (parameter, shard)
+        holds: one that fills several parameters or shards (re-emitted in pieces under names map_weight_name
+        knows), or several that together fill shards they do not line up with (a model may keep pieces back and
+        emit the regrouped tensors once the last one arrives; an incomplete group then shows as missing shards).
+        The default splits the 3-D fused expert tensors of a `fused_experts` family (layers/moe.py,
+        split_fused_experts) and passes every other tensor through unchanged."""
+        if self.fused_experts is not None and isinstance(tensor, torch.Tensor):
+            split = split_fused_experts(name, tensor, self.fused_experts)
+            if split is not None:
+                return split
+        return ((name, tensor),)
 
     def add_lm_head(self, cfg: Any, embed_param: str = "model.embed_tokens.weight", tie_default: bool = False) -> None:
         """The output projection, sharing the embedding matrix when the config ties them."""

@@ -107,7 +107,8 @@ class LfmAttention(nn.Module):
         self.g_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False) if gate else None
         self.rotary = rotary
         self.window = window
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype,
+                              sliding_window=window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
                 window_bias: PositionBias | None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 Lfm3ForCausalLM:
 - a third layer type, "sliding_attention": attention over the last `sliding_window` positions only. The window is
   a score mask (the PositionBias path of layers/attention.py) built only in steps where some sequence is longer
-  than the window, so short sequences keep the fused kernels; the KV cache still holds every position (blocks
-  are not freed as they leave the window);
+  than the window, so short sequences keep the fused kernels. The KV cache still holds every position: the
+  full-attention layers share the block tables and read every block, so none can be given back as it leaves the
+  window (RecurrentGemma, whose attention layers are all windowed, does give them back);
 - rotary parameters per attention type (`rope_parameters[layer_type]`); full attention defaults to
   "proportional" rope, which rotates the first partial_rotary_factor of each head's frequency pairs at
   base^(-2j/head_dim) (exponents over the whole head, unlike partial rotary) and leaves the rest in place;
@@ -60,9 +61,8 @@ class Lfm3ForCausalLM(LfmCausalLMBase):
         window = getattr(hf_config, "sliding_window", None)
         types = self.layer_types(hf_config)
         self.window = int(window) if window is not None and SLIDING in types else None
-        # The window mask is built from host-side sequence lengths each step, as dynamic NTK rope's lengths are: a
-        # decode graph could not replay it, and this is the flag that keeps graphs off for that reason.
-        self.dynamic_rope = self.window is not None
+        if self.window is not None:  # built only in steps with a sequence past the window, from host-side lengths
+            self.graph_blocker = "the sliding-window mask is built from host-side sequence lengths each step"
 
     def make_attention(self, cfg: Any, layer_type: str, dtype: torch.dtype) -> nn.Module:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

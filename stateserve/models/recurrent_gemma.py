@@ -11,8 +11,9 @@ Per block: x += temporal_block(temporal_pre_norm(x)); x += mlp_block(channel_pre
 - the MLP is gelu_tanh(gate(x)) * up(x) -> down, each with a bias, at intermediate_size // 2;
 - the logits are soft-capped: tanh(logits / cap) * cap.
 The attention window is a score mask (the PositionBias path of layers/attention.py, as LFM3's sliding layers),
-built only in steps where some sequence is longer than the window; the KV cache still holds every position of a
-sequence (blocks that leave the window are not freed)."""
+built only in steps where some sequence is longer than the window. Every attention layer declares the window in its
+cache spec, so the cache manager gives back the KV blocks that leave it: a sequence holds about
+(window + chunk) / block_size blocks however long it grows."""
 from __future__ import annotations
 
 from typing import Any
@@ -85,7 +86,8 @@ class LocalAttention(nn.Module):
             raise ValueError(f"{_ARCH}: partial_rotary_factor={factor} gives {rotary_dim} rotary dims of a "
                              f"{self.head_dim}-wide head; it must be a positive even number")
         self.rotary = RotaryEmbedding(self.head_dim, params, int(cfg.attention_window_size), rotary_dim=rotary_dim)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, dtype,
+                              sliding_window=int(cfg.attention_window_size))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta,
                 window: PositionBias | None) -> torch.Tensor:
@@ -160,8 +162,8 @@ class RecurrentGemmaForCausalLM(ModelBase):
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.bfloat16, device="cpu"))
         self.soft_cap = getattr(cfg, "logits_soft_cap", None)
         self.window = int(cfg.attention_window_size) if ATTENTION in types else None
-        # the window mask is built from host-side sequence lengths each step: no decode graphs (the flag for that)
-        self.dynamic_rope = self.window is not None
+        if self.window is not None:  # built only in steps with a sequence past the window, from host-side lengths
+            self.graph_blocker = "the sliding-window mask is built from host-side sequence lengths each step"
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:
@@ -172,7 +174,7 @@ class RecurrentGemmaForCausalLM(ModelBase):
     @classmethod
     def max_positions(cls, hf_config: Any) -> int | None:
         return None  # no max_position_embeddings: rotary and the RG-LRU take any position (the engine's default
-        # max_model_len applies, since the KV cache still keeps every position)
+        # max_model_len applies)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]

@@ -231,7 +231,8 @@ class ModelRunner:
             budget_bytes=self.cache_budget_bytes() - reserved_bytes, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.model_config.max_model_len, prefix_caching=policy.prefix_caching,
             num_snapshot_slots=policy.num_snapshot_slots, graph_scratch=backend is not None,
-            num_blocks_override=cfg.num_gpu_blocks_override, spare_slots_per_seq=self.spare_slots_per_seq()),
+            num_blocks_override=cfg.num_gpu_blocks_override, spare_slots_per_seq=self.spare_slots_per_seq(),
+            max_chunk_tokens=cfg.max_num_batched_tokens),
             self.device)
         modules = dict(self.model.named_modules())
         for name, (k, v) in self.caches.storage.kv.items():
