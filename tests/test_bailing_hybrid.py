@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
 from state_checks import check_preemption_exact, check_prefix_cache_exact, greedy_params, small_llm
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -106,8 +106,8 @@ def test_weight_names_load_one_to_one(base_model):
 @pytest.mark.parametrize("change,message", [
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
      "Bailing Hybrid: layer_types has unknown layer type(s) ['sliding_attention']"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0}),
-     "rope_type 'yarn' is not supported"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 100.0, "factor": 4.0}),
+     "rope_type 'longrope' is not supported"),
     (dict(kda_lower_bound=2.0), "kda_lower_bound=2.0 must be negative"),
 ])
 def test_bad_config_is_refused(change, message):
@@ -119,3 +119,27 @@ def test_bad_config_is_refused(change, message):
     with pytest.raises(ValueError) as err:
         Ours(cfg, torch.float32)
     assert message in str(err.value)
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: mlp.experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]; with its other in-memory names:
+    embed_tokens, self_attn, the fused conv1d) loads, the experts split per expert: the same logits as the per-
+    expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)))
+
+
+def test_yarn_rope_logits(tmp_path):
+    """YaRN rope (factor 4 over an original context of 16, the 77-token prompt well past it, so nearly every rotary
+    dim is interpolated; attention_factor from mscale / mscale_all_dim on cos and sin, and mscale_all_dim's factor
+    on the score scale): teacher-forced logits as transformers'."""
+    hf, path = _build(tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 16, "mscale": 2.0, "mscale_all_dim": 1.0})
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    tokens = list(range(3, 80))
+    ref = hf_logits(hf, tokens)
+    with small_llm(path) as llm:
+        for chunk in (1, 7, 64):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)

@@ -11,8 +11,8 @@ from transformers import JambaConfig, JambaForCausalLM
 from stateserve import LLM, SamplingParams
 from stateserve.models.jamba import JambaForCausalLM as OurJamba
 from stateserve.models.loader import iterate_safetensors, load_weights
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
-                   save_model)
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
+                   hf_greedy, hf_logits, save_model)
 
 BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -118,3 +118,12 @@ def test_checkpoint_names_load_one_to_one(tmp_path):
 def test_unsupported_mamba_activation_is_rejected():
     with pytest.raises(ValueError, match="hidden_act"):
         OurJamba(JambaConfig(**{**BASE, "hidden_act": "gelu"}), torch.float32)
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: feed_forward.experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) loads, the experts split per
+    expert: the same logits as the per-expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)))

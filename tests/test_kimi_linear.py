@@ -1,6 +1,7 @@
 """Kimi Linear (Kimi Delta Attention + MLA + MoE): greedy parity with transformers under batched chunked prefill,
-teacher-forced logits through the real caches, the chunked KDA rule against the token recurrence (and its
-snapshots), prefix caching with mamba_cache_mode all / align, preemption by recompute, and bad configs' errors."""
+teacher-forced logits through the real caches (float32 and bfloat16), the chunked KDA rule against the token
+recurrence (and its snapshots), prefix caching with mamba_cache_mode all / align, preemption by recompute, and bad
+configs' errors."""
 from __future__ import annotations
 
 import math
@@ -12,10 +13,10 @@ from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_
 
 from stateserve.layers.delta_rule import l2norm
 from stateserve.layers.kda import chunk_kda_rule
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
-from state_checks import (assert_same, check_preemption_exact, check_prefix_cache_exact, greedy_params, scored,
-                          small_llm)
+from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_exact,
+                          check_speculative_rollback_exact, greedy_params, small_llm)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -68,6 +69,13 @@ def base_model(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("kimi"))
 
 
+def test_bfloat16_logits(base_model):
+    """One whole-prompt step, resumed 7-token steps and token by token (the decode conv and KDA recurrence) beside
+    transformers' bfloat16 (tolerance derived in check_bfloat16_logits)."""
+    hf, path = base_model
+    check_bfloat16_logits(hf, path, list(range(3, 80)), (77, 7, 1))
+
+
 def _random_inputs(L: int, H: int = 3, Dk: int = 8, Dv: int = 5, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q = l2norm(torch.randn(L, H, Dk, generator=gen)) * Dk ** -0.5
@@ -115,37 +123,7 @@ def test_preemption_recompute_gives_same_tokens(base_model):
 
 
 def test_speculative_decoding_rolls_back_kda_state(base_model, monkeypatch):
-    """Drafts (30% wrong) verified beside prefill chunks, the KDA state rolled back to the last accepted token,
-    snapshots in mode all: the plain greedy tokens and logprobs on both passes (the second with prefix hits)."""
-    import random
-
-    from stateserve.spec_decode import speculator
-    from stateserve.spec_decode.proposer import Proposer
-
-    class Oracle(Proposer):
-        def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
-            self.reference, self.rng = reference, random.Random(0)
-
-        def propose(self, wanted) -> None:
-            for req, k in wanted:
-                drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
-                req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
-
-    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
-    _, path = base_model
-    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
-    kw = dict(max_num_batched_tokens=32)
-    with small_llm(path, enable_prefix_caching=False, **kw) as plain:
-        ref = scored(plain, prompts, 16)
-    with small_llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
-        llm.llm_engine.speculator.proposer = Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
-        for _ in range(2):
-            assert_same(scored(llm, prompts, 16), ref)
-        stats = llm.llm_engine.stats
-        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
+    check_speculative_rollback_exact(base_model[1], monkeypatch)
 
 
 def test_weight_names_load_one_to_one(base_model):
@@ -196,3 +174,13 @@ def test_mla_caches_the_compressed_latent(base_model):
         for rows, v in runner.caches.storage.kv.values():
             assert rows.shape == (runner.caches.plan.num_blocks, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
             assert v is None
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: mlp.experts.gate_up_proj [E, 2I, H] from w1 / w3, experts.down_proj [E, H, I]; with its other in-memory
+    names: mlp for block_sparse_moe, the fused self_attn.conv1d) loads, the experts split per expert: the same
+    logits as the per-expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)))

@@ -9,7 +9,7 @@ import torch
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
 from stateserve.layers.lightning import chunk_lightning, lightning_slopes
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits,
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
 from state_checks import check_preemption_exact, check_prefix_cache_exact, greedy_params, small_llm
 # transformers' lightning block_size 16: its prefill crosses blocks (ours uses chunks of 64)
@@ -128,8 +128,8 @@ def test_weight_names_load_one_to_one(base_model):
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]),
      "MiniMax: layer_types has unknown layer type(s) ['sliding_attention']"),
     (dict(sliding_window=32), "MiniMax: sliding_window=32 is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0}),
-     "rope_type 'yarn' is not supported"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 100.0, "factor": 4.0}),
+     "rope_type 'longrope' is not supported"),
 ])
 def test_bad_config_is_refused(change, message):
     from stateserve.models.minimax import MiniMaxForCausalLM as Ours
@@ -140,3 +140,49 @@ def test_bad_config_is_refused(change, message):
     with pytest.raises(ValueError) as err:
         Ours(cfg, torch.float32)
     assert message in str(err.value)
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: mlp.experts.gate_up_proj [E, 2I, H] from w1 / w3, experts.down_proj [E, H, I]) loads, the experts split per
+    expert: the same logits as the per-expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)))
+
+
+def test_yarn_rope_logits(tmp_path):
+    """YaRN rope (factor 4 over an original context of 16, the 77-token prompt well past it, so nearly every rotary
+    dim is interpolated; transformers' default attention_factor (from factor) on cos and sin, an untruncated ramp
+    with beta_fast 8): teacher-forced logits as transformers'."""
+    hf, path = _build(tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 16, "beta_fast": 8.0, "truncate": False})
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    tokens = list(range(3, 80))
+    ref = hf_logits(hf, tokens)
+    with small_llm(path) as llm:
+        for chunk in (1, 7, 64):
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 16},
+    {"factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+    {"factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"factor": 2.0, "original_max_position_embeddings": 16, "attention_factor": 0.9},
+    {"factor": None, "original_max_position_embeddings": 64},  # DeepSeek-V3 style: max_position_embeddings / 64
+])
+def test_yarn_frequencies_match_transformers(params):
+    """rotary.yarn_inv_freq against transformers 5.24's _compute_yarn_parameters itself: the frequencies and the
+    attention factor, over its options (beta_fast / beta_slow, truncate, mscale, an explicit attention_factor, a
+    factor derived from the context lengths)."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from stateserve.layers.rotary import rope_parameters, yarn_inv_freq
+
+    cfg = MiniMaxConfig(**{**BASE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, **params}})
+    ref_inv, ref_factor = _compute_yarn_parameters(cfg)
+    ours = rope_parameters(cfg)
+    inv, factor = yarn_inv_freq(cfg.head_dim, float(ours["rope_theta"]), ours, cfg.max_position_embeddings)
+    torch.testing.assert_close(inv, ref_inv, atol=0, rtol=1e-6)
+    assert factor == pytest.approx(ref_factor, rel=1e-12)

@@ -15,8 +15,8 @@ from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.nemotron_h import NemotronHForCausalLM as OurNemotronH
 from stateserve.models.nemotron_h import block_types, parse_pattern
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
-                   save_model)
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
+                   hf_greedy, hf_logits, save_model)
 
 BASE = dict(vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
@@ -187,3 +187,12 @@ def test_all_mamba_pattern_is_attention_free(tmp_path):
         torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, 9), logits, atol=5e-4, rtol=1e-4)
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: non-gated mixer.experts.up_proj [E, I, H], experts.down_proj [E, H, I]; model. for backbone.) loads, the
+    experts split per expert: the same logits as the per-expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)), fused_name="experts.up_proj")

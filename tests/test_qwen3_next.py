@@ -13,8 +13,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_g
 from stateserve import LLM, SamplingParams
 from stateserve.layers.delta_rule import GatedDeltaNet, chunk_gated_delta_rule, l2norm
 from stateserve.layers.metadata import StateMetadata
-from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
-                   save_model)
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
+                   hf_greedy, hf_logits, save_model)
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -185,3 +185,12 @@ def test_decode_matches_prefill_and_fresh_slots_start_from_zero():
             torch.testing.assert_close(out[1], full[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(torch.cat(stepped), full, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.states["ssm"][1], layer.states["ssm"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_expert_tensors_load(tmp_path):
+    """transformers' in-memory layout (save_pretrained(save_original_format=False), as some hub checkpoints store
+    it: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) loads, the experts split per expert: the same
+    logits as the per-expert checkpoint, and as transformers."""
+    hf, path = _build(tmp_path)
+    check_fused_experts_load(hf, path, str(tmp_path / "fused"),
+                             list(range(3, 80)))

@@ -17,22 +17,21 @@ import torch
 from transformers import xLSTMConfig
 from transformers import xLSTMForCausalLM as HfXLSTM
 
-from stateserve import LLM, SamplingParams
+from stateserve import SamplingParams
 from stateserve.core.batch import SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.xlstm import XLSTMForCausalLM as Ours
-from stateserve.spec_decode.proposer import Proposer
+from state_checks import (assert_same, check_prefix_cache_one_by_one, check_speculative_rollback_exact, scored,
+                          small_llm)
 from utils import build_hf_model, engine_teacher_forced_logits, hf_logits, save_model
 
-MIB = 1 << 20
 # hidden 128 (transformers sizes its cache by qk/v dims rounded up to 64: 128 * 0.5 is the smallest that agrees
 # with the layer's), 2 heads (dqk 32, dv 64), 3 blocks, gates and logits soft-capped
 CONFIG = dict(vocab_size=300, hidden_size=128, num_hidden_layers=3, num_heads=2, chunk_size=128,
               output_logit_soft_cap=12.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 PROMPTS = [[250], [7, 3, 2], list(range(20, 29)), list(range(100, 116)), list(range(40, 57)),
            [(17 * i) % 290 + 3 for i in range(40)]]
-LLM_KW = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=32 * MIB)
 
 
 def _build(tmp_path, **extra):
@@ -56,25 +55,6 @@ def built(tmp_path_factory):
     return _build(tmp_path_factory.mktemp("xlstm"))
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _score(outs) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _scored(llm: LLM, prompts, n: int = 6) -> list[tuple[list[int], list[float]]]:
-    return _score(llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False))
-
-
-def _assert_same(ours, ref, tol: float = 1e-4) -> None:
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
-
-
 def test_weight_names_load_one_to_one(built):
     hf, path = built
     ours = Ours(hf.config, torch.float32)
@@ -88,11 +68,11 @@ def test_greedy_parity_chunked(built):
     and our tokens (transformers' generate runs the same recurrence at twice the cost): each token is its argmax
     given the tokens before it (so its greedy run is ours) with its logprob."""
     hf, path = built
-    with LLM(path, max_num_batched_tokens=16, enable_prefix_caching=False, **LLM_KW) as llm:
-        scored = _scored(llm, PROMPTS, 10)
+    with small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        ours = scored(llm, PROMPTS, 10)
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
-    for p, (tokens, logprobs) in zip(PROMPTS, scored):
+    for p, (tokens, logprobs) in zip(PROMPTS, ours):
         ref_lp = torch.log_softmax(hf_logits(hf, p + tokens)[len(p) - 1:-1], dim=-1)  # [10, vocab]
         assert tokens == ref_lp.argmax(-1).tolist()
         theirs = ref_lp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
@@ -103,7 +83,7 @@ def test_teacher_forced_logits(built):
     hf, path = built
     tokens = [(7 * i) % 290 + 3 for i in range(90)]
     ref = hf_logits(hf, tokens)
-    with LLM(path, **LLM_KW) as llm:
+    with small_llm(path) as llm:
         for chunk in (1, 7, 90):
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4,
                                        msg=lambda m: f"chunk {chunk}: {m}")
@@ -114,32 +94,19 @@ def _toks(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-_COLD: list = []
-
-
 @pytest.mark.parametrize("mode", ["all", "align"])
 def test_prefix_cache_snapshots(mode, built):
     """C / n / m snapshots at block boundaries (block size 8, 16-token steps: taken mid-chunk in `all`), resumed
     from on later prompts: the tokens and logprobs of a cold engine, with hits."""
-    _, path = built
     bs = 8
     shared = _toks(5 * bs + 3, 1)
     prompts = [shared + _toks(9, 2), shared + _toks(20, 3), shared + _toks(2, 4)]
-    kw = dict(block_size=bs, max_num_batched_tokens=16, **LLM_KW)
-    if not _COLD:
-        with LLM(path, enable_prefix_caching=False, **kw) as cold:
-            _COLD.append(_scored(cold, prompts))
-    with LLM(path, enable_prefix_caching=True, mamba_cache_mode=mode, **kw) as llm:
-        outs = [llm.generate([{"prompt_token_ids": p}], _greedy(6), use_tqdm=False)[0] for p in prompts]
-        _assert_same(_score(outs), _COLD[0])
-        hits = [o.num_cached_tokens for o in outs]
-        assert hits[0] == 0
-        if mode == "all":
-            assert hits[1] == hits[2] == 5 * bs
-        else:  # align, attention-free: no KV index tells where sharing stops, so chunks end on 16-token steps only
-            assert hits[1] == hits[2] == 4 * bs
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
+    [hits] = check_prefix_cache_one_by_one(built[1], mode, prompts, block_size=bs, max_num_batched_tokens=16)
+    assert hits[0] == 0
+    if mode == "all":
+        assert hits[1] == hits[2] == 5 * bs
+    else:  # align, attention-free: no KV index tells where sharing stops, so chunks end on 16-token steps only
+        assert hits[1] == hits[2] == 4 * bs
 
 
 SIX_MIXED = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
@@ -151,10 +118,10 @@ def test_preemption_recompute_gives_same_tokens(built, monkeypatch):
     each time (its slot freed and zeroed), recomputed later from scratch: the tokens and logprobs of an
     undisturbed engine."""
     _, path = built
-    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=False, **LLM_KW)
-    with LLM(path, **kw) as roomy:
-        ref = _scored(roomy, SIX_MIXED, 16)
-    with LLM(path, max_num_seqs=4, **kw) as tight:
+    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=False)
+    with small_llm(path, **kw) as roomy:
+        ref = scored(roomy, SIX_MIXED, 16)
+    with small_llm(path, max_num_seqs=4, **kw) as tight:
         cache = tight.llm_engine.scheduler.cache
         allow, calls = cache.can_allocate, [0]
 
@@ -165,7 +132,7 @@ def test_preemption_recompute_gives_same_tokens(built, monkeypatch):
                     return False
             return allow(req, n)
         monkeypatch.setattr(cache, "can_allocate", refuse_some)
-        _assert_same(_scored(tight, SIX_MIXED, 16), ref)
+        assert_same(scored(tight, SIX_MIXED, 16), ref)
         assert tight.llm_engine.stats["preemptions"] >= 3
         tight.llm_engine.check_integrity()
         assert tight.llm_engine.cache.is_idle_and_full()
@@ -178,7 +145,7 @@ def test_states_after_decode_match_full_forward(built):
     tokens = [(11 * i) % 290 + 3 for i in range(22)]
     with torch.no_grad():
         cache = hf(torch.tensor([tokens]), use_cache=True).cache
-    with LLM(path, enable_prefix_caching=False, **LLM_KW) as llm:
+    with small_llm(path, enable_prefix_caching=False) as llm:
         engine, runner = llm.llm_engine, llm.llm_engine.runner
         req = Request("probe", list(tokens), SamplingParams(max_tokens=1), arrival_index=0)
         try:
@@ -201,38 +168,9 @@ def test_states_after_decode_match_full_forward(built):
             engine.cache.free(req)
 
 
-class _Oracle(Proposer):
-    """Drafts plain decoding's next tokens, each replaced by a wrong one with probability 0.3."""
-
-    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
-        self.reference, self.rng = reference, random.Random(0)
-
-    def propose(self, wanted) -> None:
-        for req, k in wanted:
-            drafts = self.reference[tuple(req.prompt_token_ids)][req.num_output_tokens:req.num_output_tokens + k]
-            req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
-
-
 def test_speculative_decoding_rolls_back_states(built, monkeypatch):
-    """Drafts verified round by round beside prefill chunks, the matrix memory rolled back to the last accepted
-    token, snapshots in mode all: the plain tokens and logprobs on both passes (the second with prefix hits)."""
-    from stateserve.spec_decode import speculator
-
-    monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)
-    _, path = built
-    prompts = [[(7 * i + 3 * j) % 290 + 5 for j in range(n)] for i, n in enumerate([9, 17, 41, 5])]
-    kw = dict(max_num_batched_tokens=32, **LLM_KW)
-    with LLM(path, enable_prefix_caching=False, **kw) as plain:
-        ref = _scored(plain, prompts, 16)
-    with LLM(path, enable_prefix_caching=True, mamba_cache_mode="all",
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
-        llm.llm_engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
-        for _ in range(2):
-            _assert_same(_scored(llm, prompts, 16), ref)
-        stats = llm.llm_engine.stats
-        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
-        llm.llm_engine.check_integrity()
-        assert llm.llm_engine.cache.is_idle_and_full()
+    """Drafts verified round by round beside prefill chunks: the matrix memory rolled back."""
+    check_speculative_rollback_exact(built[1], monkeypatch)
 
 
 def test_bad_configs_name_what_is_wrong(tmp_path):
@@ -251,4 +189,4 @@ def test_bad_configs_name_what_is_wrong(tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match="weight_mode 'fused' is not supported"):
-        LLM(path, **LLM_KW)
+        small_llm(path)

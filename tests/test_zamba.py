@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import ZambaConfig, ZambaForCausalLM
 
-from stateserve import LLM, SamplingParams
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.zamba import ZambaForCausalLM as Ours
+from state_checks import check_preemption_exact, check_prefix_cache_one_by_one, greedy_params, small_llm
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
                    save_model)
 
@@ -43,23 +43,6 @@ def built(tmp_path_factory):
     return get
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _scored(llm: LLM, prompts, n: int = 8) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens with their logprobs: a slightly wrong state may leave decisive tokens alone, not logprobs."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_same(ours, ref, tol: float = 1e-4) -> None:
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref, strict=True):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < tol, (logprobs, ref_logprobs)
-
-
 @pytest.mark.parametrize("case", ["base", "tied"])
 def test_weight_names_load_one_to_one(case, built):
     hf, path = built(case, **({"tie_word_embeddings": True} if case == "tied" else {}))
@@ -75,8 +58,8 @@ def test_greedy_parity_chunked(built):
     """Seven prompts at once, 16-token steps: prompts split across steps and batched with others' decodes."""
     hf, path = built()
     ref = hf_greedy(hf, PROMPTS, 10)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(10), use_tqdm=False)
+    with small_llm(path, max_num_batched_tokens=16, enable_prefix_caching=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params(10), use_tqdm=False)
         assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, hf, PROMPTS, tol=1e-3)
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
@@ -98,51 +81,24 @@ def test_teacher_forced_logits(case, built):
     hf, path = built(case, **extra)
     tokens = [(7 * i) % 290 + 3 for i in range(50)]
     ref = hf_logits(hf, tokens)
-    with LLM(path, skip_tokenizer_init=True) as llm:
+    with small_llm(path) as llm:
         for chunk in chunks:
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
 
 
-def test_prefix_cache_exact_with_hits(built):
+@pytest.mark.parametrize("mode", ["all", "align"])
+def test_prefix_cache_exact_with_hits(mode, built):
     """Recurrent snapshots at 16-token block boundaries (every boundary with "all", chunk ends with "align") and
     the paged KV together: the second pass resumes from them and gives the cold tokens and logprobs."""
-    _, path = built()
     shared = [(7 * j) % 290 + 3 for j in range(5 * 16 + 3)]
     prompts = [shared + [11, 12, 13], shared[:40] + [250, 3], shared + [9] * 20]
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, block_size=16,
-             enable_prefix_caching=False) as cold:
-        ref = _scored(cold, prompts)
-    for mode in ("all", "align"):
-        with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=32, block_size=16,
-                 enable_prefix_caching=True, mamba_cache_mode=mode) as llm:
-            first = [_scored(llm, [p])[0] for p in prompts]
-            again = [llm.generate([{"prompt_token_ids": p}], _greedy(8), use_tqdm=False)[0] for p in prompts]
-            _assert_same(first, ref)
-            _assert_same([(o.outputs[0].token_ids, [lp[t].logprob for t, lp in
-                                                    zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-                          for o in again], ref)
-            assert all(o.num_cached_tokens >= 32 for o in again), (mode, [o.num_cached_tokens for o in again])
-            llm.llm_engine.check_integrity()
-            assert llm.llm_engine.cache.is_idle_and_full()
-
-
-# six prompts of 20-35 tokens, 20 new tokens each: every sequence needs three or four 16-token blocks per depth
-SIX_MIXED = [[(5 * i + 11 * j) % 290 + 3 for j in range(20 + 3 * i)] for i in range(6)]
+    _, again = check_prefix_cache_one_by_one(built()[1], mode, prompts, rounds=2, n=8, block_size=16,
+                                             max_num_batched_tokens=32)
+    assert min(again) >= 32, again
 
 
 def test_preemption_recompute_exact(built):
-    """Too few KV blocks for six sequences: some are preempted, their state slots freed and re-zeroed, and
-    recomputed; they give the tokens and logprobs of an engine with room for all."""
-    _, path = built()
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False) as roomy:
-        ref = _scored(roomy, SIX_MIXED, 20)
-    with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=64, enable_prefix_caching=False,
-             num_gpu_blocks_override=8, max_num_seqs=8) as tight:
-        outs = _scored(tight, SIX_MIXED, 20)
-        assert tight.llm_engine.stats["preemptions"] > 0
-        _assert_same(outs, ref)
-        tight.llm_engine.check_integrity()
-        assert tight.llm_engine.cache.is_idle_and_full()
+    check_preemption_exact(built()[1], 20)
 
 
 def _edit_config(path: str, **changes) -> None:
@@ -158,7 +114,7 @@ def test_unknown_layer_type_is_refused(tmp_path):
     _, path = _build(tmp_path, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"])
     _edit_config(path, layers_block_type=["mamba", "full_attention"])
     with pytest.raises(ValueError, match=r"Zamba: layers_block_type has unknown layer type\(s\) \[.full_attention.\]"):
-        LLM(path, skip_tokenizer_init=True)
+        small_llm(path)
 
 
 @pytest.mark.parametrize("change, message", [

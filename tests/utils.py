@@ -43,8 +43,10 @@ def decisive_init(model: torch.nn.Module, seed: int = 0) -> None:
             head.weight.copy_(torch.randn(head.weight.shape, generator=gen) / head.weight.shape[1] ** 0.5 * 4)
 
 
-def save_model(hf_model, out_dir: str, tokenizer_dir: str | None = None) -> str:
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
+def save_model(hf_model, out_dir: str, tokenizer_dir: str | None = None, original_format: bool = True) -> str:
+    """save_pretrained; original_format=False writes transformers' in-memory layout instead of the checkpoints'
+    (3-D fused expert tensors, fused convs, renamed modules: its conversion mapping left unreverted)."""
+    hf_model.save_pretrained(out_dir, safe_serialization=True, save_original_format=original_format)
     if tokenizer_dir:
         for f in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
@@ -84,6 +86,30 @@ def engine_teacher_forced_logits(llm, token_ids: list[int], chunk: int) -> torch
     from stateserve.engine.teacher_forcing import teacher_forced_logits
 
     return teacher_forced_logits(llm, token_ids, chunk)
+
+
+def check_fused_experts_load(hf_model, per_expert_path: str, out_dir: str, tokens: list[int],
+                              fused_name: str = "experts.gate_up_proj", atol: float = 5e-4) -> None:
+    """The same weights saved in transformers' in-memory layout (3-D fused experts: `experts.gate_up_proj`
+    [E, 2I, H], gate rows then up rows; `experts.down_proj` [E, H, I]) load: teacher-forced logits equal those of
+    the per-expert checkpoint at `per_expert_path` bit for bit, and transformers' to `atol`."""
+    import re
+
+    from safetensors import safe_open
+
+    from state_checks import small_llm
+
+    fused_path = save_model(hf_model, out_dir, original_format=False)
+    with safe_open(os.path.join(fused_path, "model.safetensors"), framework="pt") as f:
+        shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    assert any(n.endswith("." + fused_name) and len(s) == 3 for n, s in shapes.items()), sorted(shapes)
+    assert not any(re.search(r"\.experts\.\d+\.", n) for n in shapes), "the file still holds per-expert tensors"
+    results = []
+    for path in (per_expert_path, fused_path):
+        with small_llm(path) as llm:
+            results.append(engine_teacher_forced_logits(llm, tokens, 7))
+    assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max()
+    torch.testing.assert_close(results[1], hf_logits(hf_model, tokens), atol=atol, rtol=1e-4)
 
 
 def assert_greedy_matches(ours: list[list[int]], ref: list[list[int]], hf_model, prompts, tol: float = 1e-4):

@@ -234,7 +234,9 @@ class GatedDeltaNet(StatefulLayer):
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         slots = meta.slots
         zero_fresh_slots(meta, slots, (conv_state, ssm_state))
-        y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, taps=self.conv_taps())
+        # float32 sums rounded once, as our prefill and transformers' conv1d do (bf16: products unrounded)
+        y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, float_accumulate=True,
+                                 taps=self.conv_taps())
         q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b, a)  # [S, Hv, ...]
         state = ssm_state[slots] * g.exp()[..., None, None]  # [S, Hv, Dk, Dv]
         predicted = torch.einsum("shk,shkv->shv", k, state)

@@ -1,5 +1,13 @@
-"""Rotary position embedding (rotate-half convention), with rope scaling linear / llama3 / dynamic
-computed as transformers defines them. cos/sin tables are cached per module and dropped at shutdown."""
+"""Rotary position embedding (rotate-half convention), with rope scaling linear / llama3 / dynamic, and yarn for the
+models that opt in, computed as transformers defines them. cos/sin tables are cached per module and dropped at
+shutdown.
+
+yarn (transformers 5.24's _compute_yarn_parameters): frequencies blended between the original ones (extrapolation,
+high frequencies) and ones divided by `factor` (interpolation, low frequencies) by a linear ramp over the dims
+between the beta_fast and beta_slow correction dims (floor / ceil'ed unless truncate is false) at
+original_max_position_embeddings; cos and sin are both multiplied by attention_factor (default from factor, or
+mscale / mscale_all_dim). It is opt-in (RotaryEmbedding(yarn=True)) because a model's transformers rotary may not
+apply attention_factor, or may not take yarn at all: only models checked against theirs pass it."""
 from __future__ import annotations
 
 import math
@@ -11,6 +19,7 @@ from torch import nn
 from stateserve.platform import kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+YARN = "yarn"
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -20,7 +29,48 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
         params = {**legacy, **params}
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == YARN:  # transformers' standardize_rope_params: a top-level value wins
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        else:
+            params.setdefault("original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", None))
     return params
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, base: float, params: dict[str, Any], max_position_embeddings: int) -> tuple:
+    """(inv_freq [dim/2] float32, attention_factor), as transformers 5.24's _compute_yarn_parameters."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_type 'yarn' needs original_max_position_embeddings (in rope_parameters or the config)")
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the ratio of the context lengths
+        factor = max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers': no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # 1 where the original frequency is kept
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:
@@ -30,16 +80,23 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int,
-                 rotary_dim: int | None = None) -> None:
+                 rotary_dim: int | None = None, yarn: bool = False) -> None:
+        """yarn: the model's transformers rotary was checked to run yarn as _compute_yarn_parameters defines it."""
         super().__init__()
         self.rope_type = params["rope_type"]
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_type {self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        supported = SUPPORTED_ROPE_TYPES + ((YARN,) if yarn else ())
+        if self.rope_type not in supported:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported for this model; supported: {supported}")
         self.dim = rotary_dim or head_dim
         self.base = float(params["rope_theta"])
         self.params = params
         self.max_position_embeddings = max_position_embeddings
-        self.inv_freq = self._inv_freq(self.base)  # [dim/2] float32
+        # yarn's attention_factor multiplies cos and sin (1 for every other type)
+        self.attention_factor = 1.0
+        if self.rope_type == YARN:
+            self.inv_freq, self.attention_factor = yarn_inv_freq(self.dim, self.base, params, max_position_embeddings)
+        else:
+            self.inv_freq = self._inv_freq(self.base)  # [dim/2] float32
         self._table: torch.Tensor | None = None  # [max_pos, dim] cos|sin, grown on demand
 
     def _inv_freq(self, base: float) -> torch.Tensor:
@@ -75,6 +132,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(size, dtype=torch.float32, device=device)
         f = t[:, None] * self.inv_freq.to(device)[None, :]
         self._table = torch.cat([f.cos(), f.sin()], dim=-1)
+        if self.attention_factor != 1.0:
+            self._table *= self.attention_factor
 
     def _cos_sin(self, positions: torch.Tensor, seq_lens_per_token: torch.Tensor | None) -> tuple:
         if self._dynamic_scaling(seq_lens_per_token):

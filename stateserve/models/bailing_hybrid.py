@@ -47,7 +47,9 @@ class BailingMLA(KimiMLA):
         super().__init__(cfg, dtype)
         params = rope_parameters(cfg)
         # de-interleaving the pairs turns DeepSeek's interleaved rotation into the rotate-half one RotaryEmbedding does
-        self.rotary = RotaryEmbedding(self.rope, params, getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        # yarn as transformers runs it: attention_factor on cos and sin here, mscale_all dim on the score scale below
+        self.rotary = RotaryEmbedding(self.rope, params, getattr(cfg, "max_position_embeddings", 4096) or 4096,
+                                      yarn=True)
         self.attn.scale = self.qk_dim ** -0.5 * _yarn_mscale(params)
         self.g_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
 

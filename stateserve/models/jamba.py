@@ -6,7 +6,8 @@ Per transformers' JambaForCausalLM:
   layer i is MoE when i % expert_layer_period == expert_layer_offset (and num_experts > 1), else a gated MLP;
   the router is softmax over all experts, then the top k, *not* renormalised;
   every block is x + mixer(input_layernorm(x)), then x + ffn(pre_ff_layernorm(x)); final_layernorm at the end.
-Checkpoint names load 1:1 (transformers saves the experts per expert: experts.N.{gate,up,down}_proj.weight);
+Checkpoint names load 1:1 (transformers saves the experts per expert: experts.N.{gate,up,down}_proj.weight; its
+in-memory 3-D experts.gate_up_proj / down_proj are split per expert on load, ModelBase.expand_weight);
 only q/k/v and gate/up are fused into one matmul here. use_mamba_kernels / use_mambapy / use_associative_scan
 pick implementations in transformers and do not change the arithmetic, so they are accepted and ignored."""
 from __future__ import annotations
@@ -88,6 +89,7 @@ class JambaModel(nn.Module):
 
 
 class JambaForCausalLM(ModelBase):
+    fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

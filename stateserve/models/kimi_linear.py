@@ -188,6 +188,7 @@ class KimiLinearModel(nn.Module):
 
 
 class KimiLinearForCausalLM(ModelBase):
+    fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
     family = "Kimi Linear"  # names the model in config errors (Bailing Hybrid's subclass has its own)
 

@@ -6,7 +6,8 @@ top k by score + expert_bias (a per-expert float32 vector, the load balancer's) 
 scores; with norm_topk_prob the k weights are divided by their sum + 1e-6; all are times routed_scaling_factor.
 Experts are SwiGLU (silu). The dense layers are LFM2's MLP at intermediate_size, unadjusted; the experts are
 moe_intermediate_size wide. transformers saves the experts per expert (experts.N.w1 / w3 / w2, its original
-format) and the router as `gate.weight`; SparseMoE maps both."""
+format; its in-memory 3-D experts.gate_up_proj / down_proj are split per expert on load by expand_weight) and
+the router as `gate.weight`; SparseMoE maps both."""
 from __future__ import annotations
 
 from typing import Any
@@ -45,6 +46,8 @@ class Lfm2MoeBlock(SparseMoE):
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
+
     def make_feed_forward(self, cfg: Any, index: int) -> nn.Module:
         if index < int(getattr(cfg, "num_dense_layers", 0)):
             return GatedMLP(cfg.hidden_size, int(cfg.intermediate_size))

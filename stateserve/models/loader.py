@@ -60,27 +60,32 @@ def load_weights(model: ModelBase, weights: Iterator[tuple[str, Any]],
         sizes = getattr(p, "shard_sizes", None)
         expected.update((name, i) for i in range(len(sizes))) if sizes else expected.add((name, None))
     loaded: set[tuple[str, int | None]] = set()
-    for ckpt_name, tensor in weights:
-        target = model.map_weight_name(ckpt_name)
-        if target is None:
-            continue
-        pname, shard = target
-        if pname in tied:
-            continue  # e.g. lm_head.weight saved alongside tied embeddings
-        if pname not in params:
-            raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
-                                  f"{type(model).__name__}")
-        if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
-            if quantized is not None and pname in kept_blocks:
-                _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
-                quantized[(pname, shard)] = tensor.to_quantized()
-                loaded.add((pname, shard))
+    for file_name, file_tensor in weights:
+        # expand_weight: a tensor that fills several parameters comes back in pieces (ModelBase)
+        for ckpt_name, tensor in model.expand_weight(file_name, file_tensor):
+            target = model.map_weight_name(ckpt_name)
+            if target is None:
                 continue
-            tensor = tensor.to_float()
-        dst = _target(params, pname, shard)
-        _check_shape(ckpt_name, tensor.shape, dst.shape)
-        dst.copy_(tensor)
-        loaded.add((pname, shard))
+            pname, shard = target
+            if pname in tied:
+                continue  # e.g. lm_head.weight saved alongside tied embeddings
+            if pname not in params:
+                raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
+                                      f"{type(model).__name__}")
+            if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
+                if quantized is not None and pname in kept_blocks:
+                    _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
+                    quantized[(pname, shard)] = tensor.to_quantized()
+                    loaded.add((pname, shard))
+                    continue
+                tensor = tensor.to_float()
+            dst = _target(params, pname, shard)
+            _check_shape(ckpt_name, tensor.shape, dst.shape)
+            dst.copy_(tensor)
+            sizes = getattr(params[pname], "shard_sizes", None)
+            # a stacked parameter given whole (an in-memory name, e.g. Kimi's conv1d) fills every shard of it
+            loaded.update((pname, i) for i in range(len(sizes))) if sizes and shard is None else loaded.add(
+                (pname, shard))
     missing = sorted(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in expected - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint is missing tensor(s) for: {', '.join(missing[:10])}"

@@ -57,7 +57,8 @@ class MiniMaxDecoderLayer(nn.Module):
                                                            cfg.num_hidden_layers, cfg.hidden_act)
             self.attn_alpha, self.attn_beta = cfg.linear_attn_alpha_factor, cfg.linear_attn_beta_factor
         else:
-            rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.max_position_embeddings)
+            # yarn as transformers' MiniMaxRotaryEmbedding runs it (attention_factor on cos and sin)
+            rotary = RotaryEmbedding(head_dim, rope_parameters(cfg), cfg.max_position_embeddings, yarn=True)
             self.self_attn = QKVAttention(cfg.hidden_size, heads, cfg.num_key_value_heads or heads, head_dim,
                                           dtype=dtype, rotary=rotary)
             self.attn_alpha, self.attn_beta = cfg.full_attn_alpha_factor, cfg.full_attn_beta_factor
@@ -87,6 +88,7 @@ class MiniMaxModel(nn.Module):
 
 
 class MiniMaxForCausalLM(ModelBase):
+    fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
@@ -114,7 +116,8 @@ class MiniMaxForCausalLM(ModelBase):
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         """transformers 5.24's saved names (block_sparse_moe, experts.N.w1/w2/w3, q/k/v_proj) and its in-memory ones
-        (mlp, experts.gate_up_proj); the lightning layers' decay buffers are skipped (recomputed)."""
+        (mlp, experts.gate_up_proj / down_proj, split per expert by expand_weight); the lightning layers' decay
+        buffers are skipped (recomputed)."""
         name = name.replace(".block_sparse_moe.", ".mlp.")
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"]:

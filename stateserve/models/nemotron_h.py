@@ -237,6 +237,7 @@ class NemotronHBackbone(nn.Module):
 
 
 class NemotronHForCausalLM(ModelBase):
+    fused_experts = "non_gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

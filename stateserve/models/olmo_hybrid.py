@@ -15,12 +15,14 @@ What differs from Qwen3-Next / Qwen3.5 (models/qwen3_next.py), and who owns it:
   x + post_feedforward_layernorm(mlp(x)). Norms multiply the weight in float32 and cast once (OLMo's RMSNorm).
   Checkpoints name input_layernorm / post_attention_layernorm attention_layer_norm / feedforward_layer_norm
   (transformers renames them on load; both spellings load here).
-transformers 5.24 saves q/k/v_conv1d by cutting the fused conv into three equal parts, which are the real
-[key_dim, key_dim, value_dim] shards only when value_dim == key_dim; other such files fail to load here with the
-tensor's name and both shapes (and cannot be split back without knowing the cut)."""
+transformers 5.24 saves q/k/v_conv1d by cutting its fused conv (loaded as their concatenation) into three equal parts
+(its Concatenate's reverse, a torch.chunk), which are the real [key_dim, key_dim, value_dim] shards only when
+value_dim == key_dim; OLMo-core's own files hold the real shards. Either way the fused conv is the three parts
+concatenated in q, k, v order, so expand_weight keeps each layer's parts back until all three have come, then
+cuts their concatenation at the real sizes."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -41,6 +43,8 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 _DELTA_NET_RENAMES = {"o_norm": "norm", "o_proj": "out_proj"}
 # the checkpoints' (OLMo-core's) layer norm names, which transformers renames on load
 _NORM_RENAMES = {"attention_layer_norm": "input_layernorm", "feedforward_layer_norm": "post_attention_layernorm"}
+# the per-projection conv parts of the delta net, in the order transformers concatenates them into its fused conv
+_CONV_PARTS = ("q_conv1d", "k_conv1d", "v_conv1d")
 # the gated output norm's eps: transformers fixes it at FLA's default, whatever rms_norm_eps says
 DELTA_NET_NORM_EPS = 1e-5
 
@@ -162,6 +166,8 @@ class OlmoHybridForCausalLM(ModelBase):
         self.dynamic_rope = uses_rope(cfg) and rope_parameters(cfg)["rope_type"] == "dynamic"
         self.model = OlmoHybridModel(cfg, dtype)
         self.add_lm_head(cfg)
+        # expand_weight's conv parts kept back per layer prefix until all three have been read
+        self._conv_parts: dict[str, dict[str, torch.Tensor]] = {}
 
     @classmethod
     def resolve_flags(cls, hf_config: Any) -> tuple[bool, bool]:
@@ -176,6 +182,27 @@ class OlmoHybridForCausalLM(ModelBase):
         for layer in self.model.layers:
             x = layer(x, positions, meta, rope_lens)
         return self.model.norm(x)
+
+    def expand_weight(self, name: str, tensor: Any) -> Iterable[tuple[str, Any]]:
+        """q/k/v_conv1d parts are kept back until a layer's three are in, then re-cut at the real shard sizes
+        (module docstring: transformers' saved parts are equal thirds, not the shards)."""
+        prefix, _, leaf = name.rpartition(".linear_attn.")
+        part, _, suffix = leaf.partition(".")
+        if not prefix or part not in _CONV_PARTS or not isinstance(tensor, torch.Tensor):
+            return super().expand_weight(name, tensor)
+        key = f"{prefix}.linear_attn.conv1d.{suffix}"
+        parts = self._conv_parts.setdefault(key, {})
+        parts[part] = tensor
+        if len(parts) < len(_CONV_PARTS):
+            return ()
+        del self._conv_parts[key]
+        fused = torch.cat([parts[p] for p in _CONV_PARTS])
+        sizes = self.get_parameter(key).shard_sizes
+        if fused.shape[0] != sum(sizes):
+            raise ValueError(f"{prefix}.linear_attn.{{q,k,v}}_conv1d hold {fused.shape[0]} channels in all; the "
+                             f"config's conv has {sum(sizes)} (2 * key_dim + value_dim = "
+                             f"{' + '.join(map(str, sizes))})")
+        return [(f"{prefix}.linear_attn.{p}.{suffix}", t) for p, t in zip(_CONV_PARTS, fused.split(sizes))]
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         if "rotary_emb.inv_freq" in name:

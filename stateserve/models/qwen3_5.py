@@ -70,19 +70,12 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    """Experts load from the per-expert names transformers 5.24 saves (experts.N.{gate,up,down}_proj.weight). The
-    3-D fused tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) some checkpoints carry are
-    refused by name: the loader fills stacked parameters by dim-0 shards, and these experts are stored per expert."""
+    """Experts load from the per-expert names transformers 5.24 saves (experts.N.{gate,up,down}_proj.weight) or from
+    the 3-D fused tensors of its in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]),
+    which expand_weight (ModelBase, `fused_experts` inherited from Qwen3-Next) splits per expert."""
 
     @classmethod
     def build_mlp(cls, cfg: Any, index: int) -> nn.Module:
         return SparseMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
                          norm_topk_prob=True, activation=cfg.hidden_act,
                          shared_intermediate_size=cfg.shared_expert_intermediate_size, shared_expert_gate=True)
-
-    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
-        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-            raise ValueError(f"checkpoint tensor {name!r} holds all experts fused in one 3-D tensor; "
-                             f"{type(self).__name__} loads per-expert tensors (experts.N.gate_proj.weight, "
-                             "up_proj, down_proj), as transformers 5.24 saves them")
-        return super().map_weight_name(name)

@@ -149,6 +149,7 @@ class Qwen3NextForCausalLM(ModelBase):
     """Also the base of the Qwen3.5 classes (models/qwen3_5.py), which differ in the delta net's checkpoint
     layout (`projection_layout`), the feed-forward of each layer (`build_mlp`) and checkpoint names."""
     is_hybrid = True
+    fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     projection_layout: ClassVar[str] = "grouped"  # delta_rule.PROJECTION_LAYOUTS
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
