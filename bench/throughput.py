@@ -39,6 +39,7 @@ UNSUPPORTED = {("vllm", "mamba"): "vLLM's CPU backend has no Mamba1"}
 # stateserve computes in bfloat16 around its int8 products
 # GGUF types: the converter writes Q8_0 itself; the 4-bit files are its float32 file quantized by llama.cpp
 QUANT_TYPES = {"q8_0": "q8_0", "q4_0": "q4_0", "q4_k_m": "q4_k_m"}
+LOAD_TIME_AS_GGUF = {"int8": "q8_0", "q4_0": "q4_0", "q4_k": "q4_k_m"}  # quantization= methods -> bytes per weight
 GGUF_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "q8_0": "q8_0"}
 # Prefix caching off: a repeated timed run must recompute, not hit the cache the first run filled.
 ENGINE_KWARGS = {"stateserve": {"enable_prefix_caching": False}, "vllm": {"enable_prefix_caching": False}}
@@ -201,7 +202,9 @@ def bench_one(kind: str, dtype: str, engines: list[str], args: argparse.Namespac
            "max_model_len": (longest // 256 + 1) * 256, "workloads": workloads}
     pythons = {"stateserve": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python,
                "llamacpp": args.llamacpp_python}
-    roof = machine_limits.decode_roofline(folder, dtype, limits)
+    # load-time quantization (--stateserve-arg quantization=...) reads about the bytes of the same GGUF type
+    loaded_as = LOAD_TIME_AS_GGUF.get(args.stateserve_kwargs.get("quantization"), dtype)
+    roof = machine_limits.decode_roofline(folder, loaded_as, limits)
     unsupported = {e: UNSUPPORTED[(e, kind)] for e in engines if (e, kind) in UNSUPPORTED}
     if dtype in QUANT_TYPES:
         unsupported.update({e: f"{dtype}: only stateserve and llama.cpp read GGUF files here" for e in engines
