@@ -384,3 +384,33 @@ def test_window_bounds_a_long_sequence_and_hits_without_early_blocks():
     check_holdings(cm, [b])
     cm.free(b)
     check_full(cm)
+
+
+def test_window_counts_only_blocks_that_really_come_back():
+    """A block leaving a request's window that another request still holds (a shared prefix) frees nothing: with the
+    pool otherwise full, can_allocate says no (allocate would fail) instead of counting it as returned."""
+    fake = FakeCache()
+    cm = build(True, False, True, fake, window=WINDOW)
+    prompt = [0, 1, 2, 1, 0, 2, 2, 1, 0, 1, 1, 2, 0, 0, 1, 2]
+    a, b = new_request(1, prompt), new_request(2, prompt + [2, 2])
+    cm.match_prefix(a)
+    cm.allocate(a, a.num_tokens)
+    run_chunk(cm, fake, a, a.num_tokens)  # publishes A's four blocks
+    cm.match_prefix(b)
+    cm.allocate(b, 2)
+    assert b.num_computed_tokens == 16 and b.block_ids[2:4] == a.block_ids[2:4]  # B holds A's window blocks
+    for t in (1, 1, 0, 2):
+        a.append_token(t)
+    cm.allocate(a, 4)  # gives back A's blocks 0 and 1 (B never took them)
+    run_chunk(cm, fake, a, 4)
+    filler = new_request(3, [2] * (BS * (cm.block_pool.num_free - 1)))
+    cm.allocate(filler, filler.num_tokens)  # all but one free block
+    for t in (1, 0, 2, 2, 1):
+        a.append_token(t)
+    assert cm.block_pool.num_free == 1 and a.num_computed_tokens == 20
+    # 5 more tokens need 2 blocks; block 2 leaves A's window but B holds it, so only the one free block is there
+    assert not cm.can_allocate(a, 5)
+    assert cm.can_allocate(a, 4)
+    cm.allocate(a, 4)
+    check_window_released(cm, a)
+    check_holdings(cm, [a, b, filler])

@@ -40,7 +40,10 @@ class CacheManager:
             return False
         if self.block_pool is None:
             return True
-        released = self._first_kept_block(req.num_computed_tokens) - req.num_released_blocks
+        # blocks that leave the window come back before the new ones are taken, those no other request holds
+        first = min(self._first_kept_block(req.num_computed_tokens), len(req.block_ids))
+        refs = self.block_pool.ref_counts
+        released = sum(refs[b] == 1 for b in req.block_ids[req.num_released_blocks:first])
         return self.block_pool.can_allocate(max(0, self.num_new_blocks(req, num_new_tokens) - released))
 
     def _first_kept_block(self, first_query_pos: int) -> int:
