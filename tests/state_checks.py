@@ -140,6 +140,16 @@ def check_speculative_rollback_exact(path: str, monkeypatch) -> None:
         assert llm.llm_engine.cache.is_idle_and_full()
 
 
+def check_teacher_forced_logits(path: str, ref: torch.Tensor, tokens: list[int], atol: float, rtol: float = 1e-4,
+                                chunks=(1, 7, 64)) -> None:
+    """Our logits over `tokens`, fed in `chunks`-token steps through the real caches, against transformers' `ref`
+    (float32 on both sides: only summation order differs, so the caller's atol is float32 round-off)."""
+    with small_llm(path) as llm:
+        for chunk in chunks:
+            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"chunk {chunk}: {m}")
+
+
 def check_bfloat16_logits(hf, path: str, tokens: list[int], chunks) -> dict[int, float]:
     """LLM(dtype="bfloat16") teacher-forced in `chunks`-token steps against transformers with the model cast to
     bfloat16 (a copy: `hf` may be a module's shared model). Returns each chunk's max error.

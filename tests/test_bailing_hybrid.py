@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
-from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
-                   hf_greedy, hf_logits, save_model)
-from state_checks import check_preemption_exact, check_prefix_cache_exact, greedy_params, small_llm
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, hf_greedy, hf_logits, save_model)
+from state_checks import (check_preemption_exact, check_prefix_cache_exact, check_teacher_forced_logits, greedy_params,
+                          small_llm)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -70,9 +70,7 @@ def test_teacher_forced_logits(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token KDA chunk
     ref = hf_logits(hf, tokens)
-    with small_llm(path) as llm:
-        for chunk in (1, 7, 64):
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+    check_teacher_forced_logits(path, ref, tokens, atol=5e-4)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +138,4 @@ def test_yarn_rope_logits(tmp_path):
     assert hf.config.rope_parameters["rope_type"] == "yarn"
     tokens = list(range(3, 80))
     ref = hf_logits(hf, tokens)
-    with small_llm(path) as llm:
-        for chunk in (1, 7, 64):
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+    check_teacher_forced_logits(path, ref, tokens, atol=5e-4)

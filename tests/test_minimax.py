@@ -9,9 +9,9 @@ import torch
 from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
 from stateserve.layers.lightning import chunk_lightning, lightning_slopes
-from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
-                   hf_greedy, hf_logits, save_model)
-from state_checks import check_preemption_exact, check_prefix_cache_exact, greedy_params, small_llm
+from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, hf_greedy, hf_logits, save_model)
+from state_checks import (check_preemption_exact, check_prefix_cache_exact, check_teacher_forced_logits, greedy_params,
+                          small_llm)
 # transformers' lightning block_size 16: its prefill crosses blocks (ours uses chunks of 64)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
@@ -87,9 +87,7 @@ def test_teacher_forced_logits(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token chunk, several of transformers' 16-token blocks
     ref = hf_logits(hf, tokens)
-    with small_llm(path) as llm:
-        for chunk in (1, 7, 64):
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+    check_teacher_forced_logits(path, ref, tokens, atol=5e-4)
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +158,7 @@ def test_yarn_rope_logits(tmp_path):
     assert hf.config.rope_parameters["rope_type"] == "yarn"
     tokens = list(range(3, 80))
     ref = hf_logits(hf, tokens)
-    with small_llm(path) as llm:
-        for chunk in (1, 7, 64):
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+    check_teacher_forced_logits(path, ref, tokens, atol=5e-4)
 
 
 @pytest.mark.parametrize("params", [

@@ -20,9 +20,8 @@ from stateserve.core.request import Request
 from stateserve.layers.rg_lru import linear_scan
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.recurrent_gemma import RecurrentGemmaForCausalLM as Ours
-from state_checks import (check_preemption_exact, check_prefix_cache_one_by_one,
-                          check_speculative_rollback_exact, greedy_params, tokens_and_logprobs,
-                          scored, small_llm)
+from state_checks import (check_preemption_exact, check_prefix_cache_one_by_one, check_speculative_rollback_exact,
+                          check_teacher_forced_logits, greedy_params, scored, small_llm, tokens_and_logprobs)
 from utils import assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits, save_model
 
 # r, r, a, r: two recurrent blocks between attention ones; GQA 4/2 heads of 8 with partial rotary (0.5); a 6-token
@@ -94,10 +93,7 @@ def test_teacher_forced_logits(built):
     hf, path = built
     tokens = [(7 * i) % 290 + 3 for i in range(40)]  # far past the 6-token window
     ref = hf_logits(hf, tokens)
-    with small_llm(path) as llm:
-        for chunk in (1, 7, 64):
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4,
-                                       msg=lambda m: f"chunk {chunk}: {m}")
+    check_teacher_forced_logits(path, ref, tokens, atol=2e-4)
 
 
 def test_wider_lru_teacher_forced_logits(tmp_path):
