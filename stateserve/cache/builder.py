@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from stateserve.cache.block_pool import BlockPool, SlotPool
-from stateserve.cache.manager import CacheManager
+from stateserve.cache.manager import CacheManager, peak_blocks
 from stateserve.cache.prefix import SnapshotIndex
 from stateserve.cache.spec import KVCacheSpec, StateSpec
 from stateserve.cache.storage import CachePlan, CacheStorage, plan_caches
@@ -79,10 +79,9 @@ def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateS
                  device: torch.device) -> Caches:
     graph_scratch = req.graph_scratch
     window = common_window(kv_specs)
-    tokens_per_seq = req.max_model_len  # what one sequence's blocks span at most, for the planner's cap
-    if window is not None:
-        chunk = req.max_chunk_tokens or req.max_model_len
-        tokens_per_seq = min(tokens_per_seq, (-(-(window - 1 + chunk) // req.block_size) + 1) * req.block_size)
+    # what one sequence's blocks span at most, for the planner's cap
+    tokens_per_seq = peak_blocks(req.max_model_len, req.block_size, window,
+                                 req.max_chunk_tokens or req.max_model_len) * req.block_size
     num_blocks = req.num_blocks_override
     if num_blocks is not None and graph_scratch and kv_specs:
         num_blocks += 1  # the scratch block of graph padding comes on top: the override counts usable blocks

@@ -15,6 +15,15 @@ from stateserve.core.request import Request
 NO_BLOCK = -1  # a block_ids entry whose block a sliding window gave back
 
 
+def peak_blocks(num_tokens: int, block_size: int, window: int | None, max_chunk: int) -> int:
+    """The most blocks one sequence of num_tokens holds at once when it runs in chunks of up to max_chunk tokens: all
+    of them, or with a window, those of the window before a chunk plus the chunk's own."""
+    blocks = -(-num_tokens // block_size)
+    if window is None:
+        return blocks
+    return min(blocks, -(-(window - 1 + max_chunk) // block_size) + 1)
+
+
 class CacheManager:
     def __init__(self, block_pool: BlockPool | None, slot_pool: SlotPool | None, block_size: int, *,
                  prefix_caching: bool = False, snapshots: SnapshotIndex | None = None,
@@ -62,11 +71,8 @@ class CacheManager:
         req.num_released_blocks = first
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks one sequence of num_tokens holds at once when it runs in chunks of up to max_chunk."""
-        blocks = -(-num_tokens // self.block_size)
-        if self.window is None:
-            return blocks
-        return min(blocks, -(-(self.window - 1 + max_chunk) // self.block_size) + 1)
+        """The most blocks one sequence of num_tokens holds at once (module function peak_blocks)."""
+        return peak_blocks(num_tokens, self.block_size, self.window, max_chunk)
 
     def allocate(self, req: Request, num_new_tokens: int) -> None:
         if self.slot_pool is not None and req.state_slot is None:
