@@ -50,9 +50,8 @@ class CacheManager:
         if self.block_pool is None:
             return True
         # blocks that leave the window come back before the new ones are taken, those no other request holds
-        first = min(self._first_kept_block(req.num_computed_tokens), len(req.block_ids))
         refs = self.block_pool.ref_counts
-        released = sum(refs[b] == 1 for b in req.block_ids[req.num_released_blocks:first])
+        released = sum(refs[b] == 1 for b in self._blocks_leaving_window(req))
         return self.block_pool.can_allocate(max(0, self.num_new_blocks(req, num_new_tokens) - released))
 
     def _first_kept_block(self, first_query_pos: int) -> int:
@@ -61,14 +60,20 @@ class CacheManager:
             return 0
         return max(0, first_query_pos - self.window + 1) // self.block_size
 
-    def release_outside_window(self, req: Request) -> None:
-        """Give back the blocks no query from req's next token on can read (nothing without a window)."""
+    def _blocks_leaving_window(self, req: Request) -> list[int]:
+        """req's blocks still held that no query from its next token on reads (none without a window)."""
         first = min(self._first_kept_block(req.num_computed_tokens), len(req.block_ids))
-        if first <= req.num_released_blocks:
+        return req.block_ids[req.num_released_blocks:first]
+
+    def release_outside_window(self, req: Request) -> None:
+        """Give back the blocks no query from req's next token on can read."""
+        leaving = self._blocks_leaving_window(req)
+        if not leaving:
             return
-        self.block_pool.free(req.block_ids[req.num_released_blocks:first])
-        req.block_ids[req.num_released_blocks:first] = [NO_BLOCK] * (first - req.num_released_blocks)
-        req.num_released_blocks = first
+        self.block_pool.free(leaving)
+        start = req.num_released_blocks
+        req.block_ids[start:start + len(leaving)] = [NO_BLOCK] * len(leaving)
+        req.num_released_blocks = start + len(leaving)
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks one sequence of num_tokens holds at once (module function peak_blocks)."""
