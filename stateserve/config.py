@@ -138,6 +138,13 @@ class EngineConfig:
         None, 'speculative decoding with vLLM\'s keys (CLI: a JSON object): {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": '
               '"draft_model", "model": DIR, "num_speculative_tokens": 4}')
+    tensor_parallel_size: int = _option(1, "ranks the model is split across (CPU, gloo; each a process with its "
+                                           "share of the heads, channels and experts, of the cores and of the "
+                                           "cache)")
+    distributed_init_method: str | None = _option(None, "tcp://HOST:PORT where the ranks of several hosts meet "
+                                                        "(node 0 listens; default: a free loopback port)")
+    nnodes: int = _option(1, "hosts the tensor-parallel ranks run on (each runs tensor_parallel_size / nnodes)")
+    node_rank: int = _option(0, "this host's place among nnodes: 0 runs the engine, the others only workers")
     runner: str = _option("auto", "auto picks by the architecture: generate for language models, pooling for "
                                   "embedding models", _RUNNERS)
     trust_remote_code: bool = _option(False, "accepted as vLLM does; stateserve never runs code from the model "
@@ -184,6 +191,26 @@ class EngineConfig:
             bad(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        self._check_parallel(bad)
+
+    def _check_parallel(self, bad: Any) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nodes:
+            bad(f"node_rank must be in [0, nnodes={nodes}), got {self.node_rank!r}")
+        if tp % nodes:
+            bad(f"tensor_parallel_size={tp} must be a multiple of nnodes={nodes} (each host runs as many ranks)")
+        if nodes > 1 and self.distributed_init_method is None:
+            bad("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, where the ranks meet)")
+        if tp == 1:
+            return
+        if self.quantization is not None:
+            bad("quantization with tensor_parallel_size > 1 is not supported: the split rules take float weights")
+        if self.device.startswith("cuda"):
+            bad("tensor_parallel_size > 1 runs on CPU (gloo) only so far; use device='cpu'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -108,14 +108,29 @@ class CacheStorage:
             self._state_groups.append(stacked)
             for i, (name, key) in enumerate(members):
                 self.states[name][key] = stacked[i]
+        # Tensor parallelism: the slot writes made outside a forward, in order, for the other ranks to replay
+        # before the next step's forward (distributed/driver.py); None when no one listens.
+        self.journal: list[tuple[str, int, int]] | None = None
 
     def zero_slot(self, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("zero", slot, slot))
         for stacked in self._state_groups:
             stacked[:, slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("copy", src, dst))
         for stacked in self._state_groups:
             stacked[:, dst].copy_(stacked[:, src])
+
+    def replay(self, journal: list[tuple[str, int, int]]) -> None:
+        """Apply another rank's journal of slot writes (zero_slot / copy_slot, in order) to these tensors."""
+        for op, a, b in journal:
+            if op == "zero":
+                self.zero_slot(a)
+            else:
+                self.copy_slot(a, b)
 
     def release(self) -> None:
         self.kv.clear()

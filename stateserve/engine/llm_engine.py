@@ -59,8 +59,25 @@ class LLMEngine:
             self.config = config
         if fault_inject.requested() and not config.enforce_eager:  # a CUDA graph replay runs no Python hook
             config = self.config = dataclasses.replace(config, enforce_eager=True)
-        runner_cls = ReferenceRunner if self.reference else ModelRunner
-        self.runner = runner_cls(config, self.model_config, self.device)
+        if config.node_rank > 0:
+            raise ValueError(f"node_rank={config.node_rank} runs only tensor-parallel workers, no engine: start it with "
+                             "`stateserve serve|generate --node-rank N ...` (node 0 runs the engine)")
+        if config.tensor_parallel_size > 1:
+            if self.reference:
+                raise ValueError("STATESERVE_RUNNER=reference runs on one rank: tensor_parallel_size must be 1")
+            from stateserve.distributed.driver import make_runner
+
+            self.runner = make_runner(config, self.model_config, self.device)
+        else:
+            self.runner = (ReferenceRunner if self.reference else ModelRunner)(config, self.model_config, self.device)
+        try:
+            self._start(config, show_progress)
+        except BaseException:
+            self.runner.shutdown()  # its memory, and a tensor-parallel runner's worker processes
+            raise
+
+    def _start(self, config: EngineConfig, show_progress: bool) -> None:
+        """Load the model, build the caches and everything that reads them (the second half of __init__)."""
         self.runner.load_model(show_progress)
         proposer = None
         if config.speculative_config is not None:
@@ -305,6 +322,9 @@ class LLMEngine:
         logger.error("a step failed; its %d request(s) finished with finish_reason 'error' (%d failed step(s) in "
                      "a row, the engine stops at %d)", len(reqs), self._consecutive_failures,
                      self.max_step_failures, exc_info=exc)
+        if getattr(exc, "fatal", False):  # e.g. a tensor-parallel rank died: no later step can run
+            self._death = (f"the engine stopped: {type(exc).__name__}: {exc}", exc)
+            self._check_open()
         if self._consecutive_failures >= self.max_step_failures:
             self._death = (f"the engine stopped after {self._consecutive_failures} failed steps in a row "
                            f"(STATESERVE_MAX_CONSECUTIVE_STEP_FAILURES={self.max_step_failures}); last error: "

@@ -126,6 +126,10 @@ class AsyncEngine:
             raise
         return stream
 
+    def owns(self, group_id: str) -> bool:
+        """Whether `group_id` is one of this engine's (data parallelism routes aborts by it)."""
+        return group_id.startswith(self._prefix + "-")
+
     def abort(self, group_ids: list[str]) -> None:
         """Thread-safe and non-blocking."""
         self._send("abort", list(group_ids))

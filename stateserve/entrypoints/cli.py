@@ -47,9 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_worker_node(args: argparse.Namespace) -> int:
+    """--node-rank K > 0: this host runs only its tensor-parallel ranks; node 0 runs the engine (and the server)."""
+    from stateserve.config import EngineConfig
+    from stateserve.distributed.driver import run_worker_node as run
+
+    config = EngineConfig.from_kwargs(model=args.model or default_model(), **engine_kwargs(args))
+    return run(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "node_rank", 0):
+            return run_worker_node(args)
         return args.func(args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

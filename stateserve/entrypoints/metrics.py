@@ -3,7 +3,8 @@
 Engine-side numbers (queue lengths, cache use, token counters) are read at scrape time from the snapshot
 the engine thread publishes after every step, so scraping never touches the engine. Latency histograms are
 observed by the server as step updates reach each request. Every server has its own registry, so several
-servers in one process (tests) do not collide."""
+servers in one process (tests) do not collide. With data parallelism (several engine replicas) every engine-side
+metric also has one sample per replica, labelled replica="0".."N-1", beside the unlabelled total."""
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -42,27 +43,41 @@ _SPEC_COUNTERS = {
 
 
 class _EngineCollector:
-    def __init__(self, snapshot: Callable[[], dict[str, int]]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], dict[str, int]],
+                 replica_snapshots: Callable[[], list[dict[str, int]]] | None = None) -> None:
+        self._snapshot, self._replica_snapshots = snapshot, replica_snapshots
 
     def collect(self) -> Iterable[Metric]:
-        snap = self._snapshot()
-        for key, (name, doc) in _GAUGES.items():
-            if key in snap:  # a pure-attention model has no slots, an attention-free one no blocks
-                yield GaugeMetricFamily(_PREFIX + name, doc, value=snap[key])
-        for key, (name, doc) in _COUNTERS.items():
-            yield CounterMetricFamily(_PREFIX + name, doc, value=snap.get(key, 0))
-        for key, (name, doc) in _SPEC_COUNTERS.items():
-            if key in snap:
-                yield CounterMetricFamily(_PREFIX + name, doc, value=snap[key])
+        if self._replica_snapshots is None:
+            snap, replicas = self._snapshot(), None
+        else:  # one read of each replica: the total is the sum of exactly the samples shown
+            replicas = self._replica_snapshots()
+            snap = {}
+            for r in replicas:
+                for key, value in r.items():
+                    snap[key] = snap.get(key, 0) + value
+        for kind, table, always in ((GaugeMetricFamily, _GAUGES, False), (CounterMetricFamily, _COUNTERS, True),
+                                    (CounterMetricFamily, _SPEC_COUNTERS, False)):
+            for key, (name, doc) in table.items():
+                if not always and key not in snap:  # a pure-attention model has no slots, an attention-free none
+                    continue  # of blocks; speculative counters exist only with speculative decoding on
+                if replicas is None:
+                    yield kind(_PREFIX + name, doc, value=snap.get(key, 0))
+                    continue
+                family = kind(_PREFIX + name, doc, labels=["replica"])
+                family.add_metric([], snap.get(key, 0))
+                for i, r in enumerate(replicas):
+                    family.add_metric([str(i)], r.get(key, 0))
+                yield family
 
 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, snapshot: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, int]],
+                 replica_snapshots: Callable[[], list[dict[str, int]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(snapshot))
+        self.registry.register(_EngineCollector(snapshot, replica_snapshots))
         self.time_to_first_token = Histogram(
             _PREFIX + "time_to_first_token_seconds", "From request arrival to its first generated token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry)

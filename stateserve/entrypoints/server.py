@@ -5,7 +5,8 @@ GET /metrics. An embedding model (an encoder-only architecture, as LLM decides) 
 it answers /v1/embeddings, and the text endpoints 400. The engine runs in its own thread (async_engine.py);
 this module wires routes, errors in
 OpenAI's JSON shape, and a graceful shutdown: on SIGINT/SIGTERM new requests are refused, in-flight ones
-get --shutdown-timeout seconds to finish, then are aborted, and the caches are freed."""
+get --shutdown-timeout seconds to finish, then are aborted, and the caches are freed. --data-parallel-size N
+serves N engine replicas behind the one front end (data_parallel.py, docs/data_parallel.md)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stateserve.entrypoints.async_engine import AsyncEngine, build_off_main_thread
+from stateserve.entrypoints.data_parallel import DataParallelEngine, build_data_parallel
 from stateserve.entrypoints.metrics import ServerMetrics
 from stateserve.entrypoints.openapi import openapi_document
 from stateserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
@@ -78,12 +80,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {msg}" if param else msg, param=param)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Any | None, served_model_names: list[str], *,
+def build_app(engine: AsyncEngine | DataParallelEngine, tokenizer: Any | None, served_model_names: list[str], *,
               chat_template: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
               tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops (freeing caches) with it."""
-    metrics = ServerMetrics(lambda: engine.snapshot)
+    metrics = ServerMetrics(lambda: engine.snapshot, getattr(engine, "replica_snapshots", None))
     serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template,
                             max_sequences_per_request=max_sequences_per_request, tool_call_parser=tool_call_parser)
     embedding_serving = EmbeddingServing(serving)
@@ -253,11 +255,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     try:
         config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))  # bad arguments raise here
-        llm_engine = build_off_main_thread(
-            lambda: build_engine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM))
+        factory = lambda: build_engine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM)  # noqa: E731
+        if args.data_parallel_size > 1 and getattr(config, "tensor_parallel_size", 1) > 1:
+            raise ValueError("--data-parallel-size and --tensor-parallel-size cannot be combined yet")
+        if args.data_parallel_size == 1:
+            llm_engine = build_off_main_thread(factory)
+            engine = AsyncEngine(llm_engine, args.max_waiting_requests)
+        else:
+            engine = build_data_parallel(factory, args.data_parallel_size, args.max_waiting_requests)
+            llm_engine = engine.engine
     except KeyboardInterrupt:
         return 130
-    engine = AsyncEngine(llm_engine, args.max_waiting_requests)
     app = build_app(engine, load_tokenizer(llm_engine.config), args.served_model_name or [model],
                     chat_template=chat_template, max_request_body_bytes=args.max_request_body_bytes,
                     max_sequences_per_request=args.max_sequences_per_request,
@@ -277,6 +285,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine.final_state is None:  # never got to the lifespan shutdown (startup failed or forced exit)
         return 1
     return 0 if engine.final_state.get("integrity_ok") else 1
+
+
+def _replica_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (the number of engine replicas), got {value}")
+    return value
 
 
 def add_serve_parser(subparsers: Any) -> None:
@@ -303,6 +321,10 @@ def add_serve_parser(subparsers: Any) -> None:
                    help="answer 400 to a request of more than this many prompts x n sequences")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--data-parallel-size", type=_replica_count, default=1,
+                   help="engine replicas (each a full copy of the model and its caches, on its share of the CPU "
+                        "threads) behind this one server; requests go to the least-loaded replica, or to the one "
+                        "that served the same prompt start (docs/data_parallel.md)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)

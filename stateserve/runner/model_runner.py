@@ -21,6 +21,8 @@ from stateserve.cache.spec import KVCacheSpec, StateSpec
 from stateserve.config import EngineConfig, ModelConfig
 from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
+from stateserve.distributed.group import ParallelGroup
+from stateserve.distributed.sharding import split_model
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.interface import PoolingSpec
@@ -62,8 +64,12 @@ def _available_host_memory() -> int:
 
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                 spare_slots_per_seq: int | None = None) -> None:
+                 spare_slots_per_seq: int | None = None, group: ParallelGroup | None = None,
+                 max_threads: int | None = None) -> None:
+        """group: this rank's tensor-parallel group (distributed/), whose ranks each hold a split of the model;
+        max_threads: this runner's own thread budget (a rank's share of the host) instead of the process's."""
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
+        self.group = group if group is not None and group.size > 1 else None
         spec = engine_config.speculative_config
         # speculative decoding keeps the state after each of a sequence's k drafts until they are verified
         self._spare_slots = spare_slots_per_seq if spare_slots_per_seq is not None else \
@@ -76,7 +82,8 @@ class ModelRunner:
         self.activation_bytes = 0  # peak activation memory of one max_num_batched_tokens step
         self.model_bytes = 0  # the weights' bytes once loaded, as the load log says
         self.activation_source = "none"  # measured | estimated | skipped reason, for logs and tests
-        self.threads = cpu_threads.governor() if device.type == "cpu" else None  # team size per step
+        self.threads = None if device.type != "cpu" else cpu_threads.governor() if max_threads is None else \
+            cpu_threads.ThreadGovernor(max_threads, adaptive=envs.STATESERVE_ADAPTIVE_THREADS)  # team size per step
 
     # ---- loading -------------------------------------------------------------------------------
     def load_model(self, show_progress: bool = True) -> None:
@@ -92,6 +99,11 @@ class ModelRunner:
             model = cls(self.model_config.hf_config, dtype)
         quantized, source = load_checkpoint(model.to(dtype=dtype), path, self.engine_config, self.device,
                                             show_progress)
+        if self.group is not None:
+            if quantized is not None:
+                raise ValueError("tensor parallelism takes float weights: a quantized model (quantization= or a "
+                                 "GGUF file's quantized tensors) runs with tensor_parallel_size=1")
+            split_model(model, self.group)
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
@@ -167,7 +179,7 @@ class ModelRunner:
                     self._dummy_forward(num_tokens, seq_len)
                     torch.cuda.synchronize(self.device)
                     peak = torch.cuda.max_memory_allocated(self.device) - before
-                elif key in _cpu_profiles:
+                elif key in _cpu_profiles and self.group is None:  # the ranks of a group run it together
                     peak = _cpu_profiles[key]
                 else:
                     host_allocator.release_free_memory()  # so the forward cannot reuse memory RSS already counts
@@ -175,6 +187,8 @@ class ModelRunner:
                         self._dummy_forward(num_tokens, seq_len)
                     peak = _cpu_profiles[key] = sampler.growth
         except Exception as e:  # a model the dummy inputs do not suit must still start
+            if self.group is not None:  # a rank gone, or ranks out of step: nothing to estimate around
+                raise
             logger.warning("activation profiling failed (%s: %s); using an estimate", type(e).__name__, e)
             self.activation_bytes, self.activation_source = estimate, "estimated (dummy forward failed)"
             return
@@ -324,7 +338,7 @@ class ModelRunner:
                     result = result or SampleResult([], [], [], [])
                     result.prompt_logprobs = prompt_lps
             else:  # whole prompts: every sequence of the step is pooled
-                hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
+                hidden = self.run_model(batch.input_ids, batch.positions, meta)  # [T, hidden]
                 result = PoolingResult(self.model_state.pool(hidden, batch).float().cpu())  # [S, D]
             self.model_state.after_step(batch)  # last: a step that raises anywhere publishes nothing
         except BaseException:
@@ -348,13 +362,18 @@ class ModelRunner:
         except Exception:
             logger.exception("on_step_failed raised; going on with the failed step's clean-up")
 
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The model's forward over one step's tokens -> [T, hidden] (the tensor-parallel driver first sends the
+        step to the other ranks)."""
+        return self.model(input_ids, positions, meta)
+
     def forward_logits(self, batch: InputBatch, meta: ForwardMeta) -> tuple[torch.Tensor | None, dict | None]:
         """The forward of one step (a graph replay when it qualifies) -> (logits of the sampled rows or None, the
         prompt logprobs of the sequences that ask for them or None)."""
         if not batch.prompt_rows and self.graph_manager is not None and self.graph_manager.can_run(batch, meta):
             padded = self.graph_manager.run(batch, meta)  # [padded size, vocab]; row i is sequence i
             return (padded[batch.logits_indices] if batch.sample_indices else None), None
-        hidden = self.model(batch.input_ids, batch.positions, meta)  # [T, hidden]
+        hidden = self.run_model(batch.input_ids, batch.positions, meta)  # [T, hidden]
         prompt_lps = None
         if batch.prompt_rows:
             rows_of = lambda rows: self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # noqa: E731

@@ -1,0 +1,204 @@
+"""Rank 0 of tensor parallelism: the engine's runner, which starts the other ranks and leads them.
+
+The engine, scheduler, cache manager and sampler exist once, here. `TensorParallelRunner` is a ModelRunner that
+also spawns the worker processes of this host (distributed/worker.py; one per rank, each with its share of the
+cores), joins them in a gloo group, and before each forward broadcasts the step (inputs, positions, metadata and
+the journal of state-slot writes since the last step), so that every rank runs the same forward on its split of
+the weights; the row-parallel products sum over ranks inside it. Rank 0 alone computes logits and samples.
+
+Failure: a dead rank closes its connections, so the next collective raises at once; the runner then names the
+rank (and its exit code), stops the others and raises `RankFailedError`, which the engine treats as fatal. Any
+other error after a step was sent is fatal too: the ranks could no longer agree on which collective comes next.
+A headless node (`--node-rank` > 0) runs only workers: `run_worker_node`."""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from typing import Any
+
+import torch
+
+from stateserve.distributed.group import ParallelGroup, Rendezvous
+from stateserve.distributed.sharding import TensorParallelError
+from stateserve.distributed.worker import worker_main
+from stateserve.platform import cpu_threads
+
+logger = logging.getLogger("stateserve")
+_JOIN_TIMEOUT_S = 10.0  # how long a stopped worker gets to exit before it is killed
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or the ranks fell out of step; the engine cannot go on."""
+    fatal = True
+
+
+def local_ranks(config: Any) -> range:
+    """The ranks this node runs (node k: ranks k * N / nnodes ...)."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def _cpu_shares(count: int) -> tuple[int, list[list[int]]]:
+    """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs."""
+    cpus = sorted(cpu_threads.usable_cpus())
+    per = max(1, len(cpus) // count)
+    return per, [cpus[i * per:(i + 1) * per] or cpus for i in range(count)]
+
+
+def _rendezvous(config: Any) -> tuple[Rendezvous, Any]:
+    """Where the ranks meet, and rank 0's listening store (None on other nodes)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    size = config.tensor_parallel_size
+    if config.distributed_init_method is None:  # one host: a free port on loopback
+        store = dist.TCPStore("127.0.0.1", 0, size, True, datetime.timedelta(seconds=300), wait_for_workers=False)
+        return Rendezvous("127.0.0.1", store.port, size, True), store
+    rdv = Rendezvous.parse(config.distributed_init_method, size, config.nnodes == 1)
+    if rdv.host in ("127.0.0.1", "localhost", "::1"):  # every node on this host (tests, or a trial run)
+        rdv = Rendezvous(rdv.host, rdv.port, size, True)
+    store = None
+    if config.node_rank == 0:
+        store = dist.TCPStore(rdv.host, rdv.port, size, True, datetime.timedelta(seconds=300),
+                              wait_for_workers=False)
+    return rdv, store
+
+
+def _spawn_workers(config: Any, model_config: Any, rdv: Rendezvous, ranks: range,
+                   first_local: int) -> tuple[int, list[tuple[int, Any]]]:
+    """Start this node's worker processes (ranks other than 0). Returns (threads per rank, [(rank, process)])."""
+    threads, shares = _cpu_shares(len(ranks))
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds OpenMP and gloo threads
+    procs = []
+    for rank in ranks:
+        if rank == 0:
+            continue
+        proc = ctx.Process(target=worker_main, name=f"stateserve-tp{rank}", daemon=True,
+                           args=(rank, rdv, config, model_config, threads, shares[rank - first_local],
+                                 logger.getEffectiveLevel()))
+        proc.start()
+        procs.append((rank, proc))
+    return threads, procs
+
+
+def _stop(procs: list[tuple[int, Any]]) -> None:
+    deadline = time.monotonic() + _JOIN_TIMEOUT_S
+    for _, proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for _, proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_JOIN_TIMEOUT_S)
+
+
+def run_worker_node(config: Any) -> int:
+    """`stateserve serve|generate --node-rank K` (K > 0): run this node's ranks until rank 0 stops them."""
+    from stateserve.models.folder import build_model_config
+
+    model_config = build_model_config(config, torch.device("cpu"))
+    ranks = local_ranks(config)
+    rdv, _ = _rendezvous(config)
+    logger.info("node %d of %d: running tensor-parallel ranks %d-%d for %s (rendezvous %s:%d)", config.node_rank,
+                config.nnodes, ranks.start, ranks.stop - 1, config.model, rdv.host, rdv.port)
+    _, procs = _spawn_workers(config, model_config, rdv, ranks, ranks.start)
+    for _, proc in procs:
+        proc.join()
+    failed = [(rank, proc.exitcode) for rank, proc in procs if proc.exitcode]
+    for rank, code in failed:
+        logger.error("tensor-parallel rank %d exited with code %s", rank, code)
+    return 1 if failed else 0
+
+
+def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
+    """Rank 0's runner for tensor_parallel_size > 1 (class built here so the runner module is imported lazily)."""
+    from stateserve.runner.model_runner import ModelRunner
+
+    class TensorParallelRunner(ModelRunner):
+        def __init__(self) -> None:
+            ranks = local_ranks(config)
+            rdv, store = _rendezvous(config)
+            threads, self._procs = _spawn_workers(config, model_config, rdv, ranks, 0)
+            self._journal: list | None = None
+            self._failure: str | None = None
+            try:
+                group = ParallelGroup.connect(rdv, 0, store)
+            except BaseException:
+                _stop(self._procs)
+                raise
+            super().__init__(config, model_config, device, group=group, max_threads=threads)
+            logger.info("Tensor parallelism: %d ranks (gloo over %s), %d thread(s) per rank on this host",
+                        group.size, "loopback" if rdv.single_host else f"{rdv.host}:{rdv.port}", threads)
+
+        def load_model(self, show_progress: bool = True) -> None:
+            self._guard(lambda: super(TensorParallelRunner, self).load_model(show_progress))
+
+        def cache_budget_bytes(self) -> int:
+            """The ranks of this host share its memory: each plans with its part of the default budget."""
+            budget = super().cache_budget_bytes()
+            if self.engine_config.kv_cache_memory_bytes is not None:
+                return budget  # given per rank, as vLLM's kv_cache_memory_bytes is per device
+            return budget // len(local_ranks(self.engine_config))
+
+        def initialize_caches(self, reserved_bytes: int = 0) -> Any:
+            manager = super().initialize_caches(reserved_bytes)
+            self._guard(lambda: self.group.send_object(("caches", self.caches.plan)))
+            self._journal = self.caches.storage.journal = []
+            return manager
+
+        def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+            if self._failure is not None:
+                raise RankFailedError(self._failure)
+            journal, self._journal[:] = list(self._journal), []
+            return self._guard(lambda: self._step(input_ids, positions, meta, journal), any_error=True)
+
+        def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, journal: list) -> torch.Tensor:
+            self.group.send_object(("step", journal, input_ids, positions, meta))
+            return super(TensorParallelRunner, self).run_model(input_ids, positions, meta)
+
+        def _guard(self, fn: Any, any_error: bool = False) -> Any:
+            """Run fn; when a rank died (or, with any_error, on any error once the ranks may be out of step),
+            stop the group and raise RankFailedError naming the rank."""
+            try:
+                return fn()
+            except TensorParallelError:  # a size that does not split: every rank refuses the model alike
+                self._fail("the model cannot be split", quiet=True)
+                raise
+            except Exception as e:
+                dead = self._dead_ranks()
+                if not dead and not any_error:
+                    raise
+                reason = (f"tensor-parallel rank(s) {', '.join(dead)} died" if dead else
+                          f"a tensor-parallel step failed on rank 0 after it was sent to the other ranks, which can "
+                          f"no longer follow ({type(e).__name__}: {e})")
+                self._fail(reason)
+                raise RankFailedError(reason) from e
+
+        def _dead_ranks(self) -> list[str]:
+            for _, proc in self._procs:  # a killed peer's exit status may land just after its sockets close
+                proc.join(0.5 if not proc.is_alive() else 0.05)
+            return [f"{rank} (exit code {proc.exitcode})" for rank, proc in self._procs if proc.exitcode is not None]
+
+        def _fail(self, reason: str, quiet: bool = False) -> None:
+            self._failure = reason
+            if not quiet:
+                logger.error("%s; stopping the other ranks", reason)
+            for _, proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
+            _stop(self._procs)
+
+        def shutdown(self) -> None:
+            if self.group is not None and self._failure is None and self.group._pg is not None:
+                try:
+                    self.group.send_object(("stop",))
+                except Exception as e:  # a rank already gone: the others are killed below
+                    logger.warning("tensor-parallel stop message failed: %s", e)
+            _stop(self._procs)
+            if self.group is not None:
+                self.group.close()
+            super().shutdown()
+
+    return TensorParallelRunner()

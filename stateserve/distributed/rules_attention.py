@@ -1,0 +1,62 @@
+"""Tensor-parallel split rules of the attention blocks and dense MLPs (Megatron's layout).
+
+Attention: each rank keeps num_heads / N query heads and their K/V heads: num_kv_heads / N of them when they
+divide, else (fewer KV heads than ranks) the one KV head its query heads read, replicated on the ranks that share
+it. qkv_proj is column-parallel part by part, o_proj row-parallel: one all-reduce per attention block. Each rank's
+paged cache then holds only its KV heads (the layer's cache spec shrinks with it).
+MLP: gate/up column-parallel, down row-parallel: one all-reduce."""
+from __future__ import annotations
+
+from torch import nn
+
+from stateserve.distributed.group import ParallelGroup
+from stateserve.distributed.sharding import (TensorParallelError, column_parallel, rank_share, row_parallel,
+                                             split_rule)
+from stateserve.layers.decoder_layer import DecoderAttention, GatedMLP
+from stateserve.layers.qkv_attention import QKVAttention
+
+
+def kv_head_share(num_heads: int, num_kv_heads: int, group: ParallelGroup) -> slice:
+    """The KV heads this rank's query heads read."""
+    if num_kv_heads % group.size == 0:
+        return rank_share(num_kv_heads, group, "num_key_value_heads")
+    if group.size % num_kv_heads:
+        raise TensorParallelError(f"num_key_value_heads={num_kv_heads} neither divides by nor divides "
+                                  f"tensor_parallel_size={group.size}")
+    head = group.rank * num_kv_heads // group.size  # ranks [h * N / KH, (h + 1) * N / KH) share KV head h
+    return slice(head, head + 1)
+
+
+def split_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None:
+    """Any attention block with qkv_proj (stacked q, k, v), o_proj, num_heads, num_kv_heads, head_dim, sizes and
+    an `attn` Attention."""
+    d = layer.head_dim
+    heads = rank_share(layer.num_heads, group, "num_attention_heads")
+    kv = kv_head_share(layer.num_heads, layer.num_kv_heads, group)
+    q_rows, kv_rows = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
+    column_parallel(layer.qkv_proj, [q_rows, kv_rows, kv_rows], list(layer.sizes))
+    layer.o_proj = row_parallel(layer.o_proj, group, q_rows)
+    layer.num_heads, layer.num_kv_heads = heads.stop - heads.start, kv.stop - kv.start
+    layer.sizes = [layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d]
+    layer.attn.num_heads, layer.attn.num_kv_heads = layer.num_heads, layer.num_kv_heads
+
+
+split_rule(DecoderAttention, QKVAttention)(split_qkv_attention)
+
+
+def split_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
+    """gate_up_proj ([gate; up] stacked) column-parallel, down_proj row-parallel."""
+    inter = mlp.down_proj.in_features
+    share = rank_share(inter, group, "intermediate_size")
+    column_parallel(mlp.gate_up_proj, [share, share], [inter, inter])
+    mlp.down_proj = row_parallel(mlp.down_proj, group, share)
+
+
+def _register_model_mlps() -> None:
+    from stateserve.layers.moe import GatedMLPExpert
+    from stateserve.models.bamba import BambaMLP  # same layout: gate_up_proj [gate; up], down_proj
+
+    split_rule(GatedMLP, BambaMLP, GatedMLPExpert)(split_gated_mlp)
+
+
+_register_model_mlps()

@@ -1,0 +1,155 @@
+"""Splitting a loaded model across tensor-parallel ranks.
+
+Each layer kind has a split rule (distributed/rules_*.py, registered with `@split_rule(LayerClass)`): it keeps this
+rank's share of the layer's heads, channels or experts, and turns the projections that contract over the split
+dimension into `RowParallelLinear`s, which sum the ranks' partial products (one all-reduce each). A layer without
+a rule runs whole on every rank (the same result, computed on each), so every model runs under tensor parallelism
+and the split rules decide how much of it is shared out; the load log says what stays whole.
+
+Helpers for the rules: `rank_share` (this rank's contiguous piece of n), `take_rows` / `take_columns` (the rank's
+slice of a parameter, part by part for a stacked one such as qkv), `column_parallel`, `row_parallel`."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from stateserve.distributed.group import ParallelGroup
+from stateserve.layers.markers import stacked
+
+logger = logging.getLogger("stateserve")
+
+_RULES: dict[type, Callable[[nn.Module, ParallelGroup], None]] = {}
+# modules of these files register their rules when imported (lazily, at the first split)
+_RULE_MODULES = ("stateserve.distributed.rules_attention", "stateserve.distributed.rules_recurrent",
+                 "stateserve.distributed.rules_moe")
+
+
+class TensorParallelError(ValueError):
+    """A model whose sizes cannot be split over the ranks (a head count that does not divide, say)."""
+
+
+def split_rule(*classes: type) -> Callable:
+    """Register `fn(layer, group)` as the split rule of these layer classes (exact class, then its bases)."""
+    def register(fn: Callable[[nn.Module, ParallelGroup], None]) -> Callable:
+        for cls in classes:
+            _RULES[cls] = fn
+        return fn
+    return register
+
+
+def _rule_for(module: nn.Module) -> Callable | None:
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def rank_share(n: int, group: ParallelGroup, what: str) -> slice:
+    """This rank's contiguous share of n things (heads, channels, experts); n must divide by the group size."""
+    if n % group.size:
+        raise TensorParallelError(f"{what}={n} is not divisible by tensor_parallel_size={group.size}")
+    part = n // group.size
+    return slice(group.rank * part, (group.rank + 1) * part)
+
+
+def take_rows(t: torch.Tensor, parts: list[int], shares: list[slice]) -> torch.Tensor:
+    """Dim 0 of t is made of `parts` stacked; keep `shares[i]` of part i (indices within the part), in order."""
+    pieces, start = [], 0
+    for size, share in zip(parts, shares):
+        pieces.append(t[start:start + size][share])
+        start += size
+    if start != t.shape[0]:
+        raise ValueError(f"parts {parts} do not add up to the tensor's {t.shape[0]} rows")
+    return torch.cat(pieces).contiguous()
+
+
+def _replace_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    param = nn.Parameter(value.contiguous(), requires_grad=False)
+    if hasattr(old, "shard_sizes"):
+        param.shard_sizes = old.shard_sizes  # type: ignore[attr-defined]
+    setattr(module, name, param)
+
+
+def column_parallel(linear: nn.Linear, shares: list[slice], parts: list[int] | None = None) -> None:
+    """Keep the output rows (weight rows, bias entries) of this rank: `shares[i]` of each stacked part i (parts:
+    the stacked sizes, default one part of all rows). The layer's `stacked` marker follows the new sizes."""
+    parts = parts or [linear.out_features]
+    _replace_param(linear, "weight", take_rows(linear.weight.data, parts, shares))
+    if linear.bias is not None:
+        _replace_param(linear, "bias", take_rows(linear.bias.data, parts, shares))
+    linear.out_features = linear.weight.shape[0]
+    if hasattr(linear.weight, "shard_sizes"):
+        sizes = [len(range(size)[share]) for size, share in zip(parts, shares)]
+        stacked(linear.weight, sizes)
+        if linear.bias is not None:
+            stacked(linear.bias, sizes)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r @ W_r.T, plus the bias once: a linear whose input features are split (each rank
+    holds the columns of its share and gets only those features). `local` is a plain nn.Linear of the rank's
+    columns (the runner gives it the CPU kernels like any other); the bias stays here, added after the sum. No
+    fused decode kernel takes this module (they would skip the sum), so layers holding one run op by op."""
+
+    def __init__(self, local: nn.Linear, bias: torch.Tensor | None, group: ParallelGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.local.weight
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.local(x)
+        # partial products of a narrower dtype are summed in float32: one rounding, as one rank's product has
+        out = self.group.all_reduce(out.float()).to(out.dtype) if out.dtype != torch.float32 else \
+            self.group.all_reduce(out.contiguous())
+        return out if bias is None else out + bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+
+def row_parallel(linear: nn.Linear, group: ParallelGroup, share: slice | list[slice],
+                 parts: list[int] | None = None) -> RowParallelLinear:
+    """A RowParallelLinear keeping the input columns of this rank's share (per stacked part of the input, as
+    column_parallel does for outputs)."""
+    parts = parts or [linear.in_features]
+    shares = share if isinstance(share, list) else [share]
+    weight = take_rows(linear.weight.data.t(), parts, shares).t().contiguous()
+    local = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    local.weight = nn.Parameter(weight, requires_grad=False)
+    return RowParallelLinear(local, None if linear.bias is None else linear.bias.data, group)
+
+
+def split_model(model: nn.Module, group: ParallelGroup) -> None:
+    """Apply every layer's split rule (outermost first: a rule owns the modules under it) and log what stays
+    whole on every rank."""
+    import importlib
+
+    for name in _RULE_MODULES:
+        importlib.import_module(name)
+    done: list[str] = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(prefix + ".") for prefix in done):
+            continue
+        rule = _rule_for(module)
+        if rule is not None:
+            rule(module, group)
+            done.append(name)
+    if not done:
+        raise TensorParallelError(f"{type(model).__name__} has no layer that tensor parallelism can split")
+    split = {id(p) for prefix in done for p in model.get_submodule(prefix).parameters()}
+    whole = sum(p.numel() for p in model.parameters() if id(p) not in split)
+    total = sum(p.numel() for p in model.parameters())
+    kinds = sorted({type(model.get_submodule(n)).__name__ for n in done})
+    logger.info("Tensor parallel rank %d/%d: split %d layers (%s); %.1f%% of this rank's weights are whole on "
+                "every rank (embeddings, head, norms and layers without a split rule)", group.rank, group.size,
+                len(done), ", ".join(kinds), 100.0 * whole / max(total, 1))

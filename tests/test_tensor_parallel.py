@@ -1,0 +1,217 @@
+"""Tensor parallelism (distributed/): two ranks over gloo on this machine against one rank and transformers, for a
+Llama (GQA, and fewer KV heads than ranks), with chunked prefill, prefix caching and preemption; a rank that dies
+mid-run; rank 0 dying; the CLI, the server and a two-node launch on loopback. The recurrent and MoE split rules
+are tested in test_tensor_parallel_models.py."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from stateserve import LLM, SamplingParams
+from stateserve.engine.errors import EngineDeadError
+from utils import build_hf_model, demo_model, engine_teacher_forced_logits, hf_greedy, hf_logits, save_model, \
+    start_server
+
+PROMPTS = [[1, 5, 9], list(range(7, 45)), [100, 120, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [250]]
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+KW = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=16)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **BASE)
+    return hf, save_model(hf, str(tmp_path_factory.mktemp("tp") / "llama"))
+
+
+def _run(llm: LLM, prompts, max_new: int = 10):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, logprobs=0))
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def _assert_close(ours, ref, tol: float = 1e-4) -> None:
+    """Same tokens; logprobs within float32 round-off (the split sums each product in another order)."""
+    for (t1, l1), (t2, l2) in zip(ours, ref):
+        assert t1 == t2
+        assert torch.allclose(torch.tensor(l1), torch.tensor(l2), atol=tol, rtol=0), (l1, l2)
+
+
+def test_two_ranks_match_one_and_transformers(llama):
+    """Greedy tokens equal transformers'; logprobs, a teacher-forced forward in 1/7-token chunks, a second pass
+    from the prefix cache and a run that must preempt all agree with one rank."""
+    hf, path = llama
+    ref_tokens = hf_greedy(hf, PROMPTS, 10)
+    with LLM(path, **KW) as one:
+        ref = _run(one, PROMPTS)
+        ref_tf = engine_teacher_forced_logits(one, PROMPTS[1], 7)
+    with LLM(path, tensor_parallel_size=2, enable_prefix_caching=True, **KW) as two:
+        ours = _run(two, PROMPTS)
+        assert [t for t, _ in ours] == ref_tokens
+        _assert_close(ours, ref)
+        again = _run(two, PROMPTS)  # the prompts' full blocks now come from the cache
+        assert two.llm_engine.stats["prefix_cache_hits"] > 0
+        _assert_close(again, ref)
+        for chunk in (1, 7):
+            logits = engine_teacher_forced_logits(two, PROMPTS[1], chunk)
+            assert torch.allclose(logits, ref_tf, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(logits, hf_logits(hf, PROMPTS[1]), atol=1e-4, rtol=1e-4)
+        two.llm_engine.check_integrity()
+    # 16 blocks of 4 tokens for 4 sequences that need 25: the newest are preempted and recomputed
+    with LLM(path, tensor_parallel_size=2, num_gpu_blocks_override=16, block_size=4, enable_prefix_caching=False,
+             **KW) as tight:
+        _assert_close(_run(tight, PROMPTS), ref)
+        assert tight.llm_engine.stats["preemptions"] > 0
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(llama):
+    """Two KV heads, four ranks: each rank keeps the KV head its one query head reads (ranks 0-1 head 0, ranks 2-3
+    head 1), and its cache holds that head only."""
+    hf, path = llama
+    with LLM(path, tensor_parallel_size=4, **KW) as llm:
+        attn = llm.llm_engine.runner.model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (1, 1)
+        assert llm.llm_engine.runner.caches.storage.kv["model.layers.0.self_attn.attn"][0].shape[1] == 1
+        assert [t for t, _ in _run(llm, PROMPTS)] == hf_greedy(hf, PROMPTS, 10)
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **{**BASE, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                          "intermediate_size": 96})
+    path = save_model(hf, str(tmp_path / "odd"))
+    with pytest.raises(ValueError, match="num_attention_heads=2 is not divisible by tensor_parallel_size=4"):
+        LLM(path, tensor_parallel_size=4, **KW)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization with tensor_parallel_size > 1"),
+    ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_method": "tcp://127.0.0.1:1"}, "multiple of nnodes"),
+    ({"tensor_parallel_size": 2, "nnodes": 2}, "nnodes > 1 needs distributed_init_method"),
+    ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "distributed_init_method": "tcp://h:1"},
+     "node_rank must be in"),
+])
+def test_bad_parallel_options_are_refused(llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(llama[1], **{**KW, **kwargs})
+
+
+def _workers(llm: LLM) -> list:
+    return [proc for _, proc in llm.llm_engine.runner._procs]
+
+
+def test_a_rank_killed_mid_run_stops_the_engine_naming_it(llama):
+    """Rank 1 is killed between two steps of a running batch: the next step fails within seconds with an error that
+    names the rank, the engine is dead for later calls, and shutdown leaves no process behind."""
+    with LLM(llama[1], tensor_parallel_size=2, **KW) as llm:
+        engine = llm.llm_engine
+        worker = _workers(llm)[0]
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank\(s\) 1 \(exit code -9\) died"):
+            for _ in range(100):
+                engine.step()
+        assert time.monotonic() - start < 30
+        with pytest.raises(EngineDeadError):
+            llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2))
+    assert not worker.is_alive()
+
+
+def test_workers_exit_when_rank_0_dies(llama):
+    """The engine's process is killed outright: its worker sees the closed connection and exits on its own."""
+    script = ("import os, sys\nsys.path.insert(0, 'tests')\nfrom stateserve import LLM\n"
+              "if __name__ == '__main__':\n"
+              f"    llm = LLM({llama[1]!r}, tensor_parallel_size=2, skip_tokenizer_init=True, "
+              "kv_cache_memory_bytes=1 << 24)\n"
+              "    print('WORKER', llm.llm_engine.runner._procs[0][1].pid, flush=True)\n"
+              "    import time; time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line = next(line for line in proc.stdout if line.startswith("WORKER"))
+        pid = int(line.split()[1])
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        assert not _alive(pid), "the worker outlived rank 0"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stateserve.entrypoints.cli", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "STATESERVE_DISABLE_TQDM": "1", **(env or {})})
+
+
+def _greedy_text(model: str, prompt: str, max_tokens: int) -> str:
+    with LLM(model, kv_cache_memory_bytes=1 << 24) as llm:
+        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].outputs[0].text
+
+
+def test_cli_generate_and_two_node_launch_on_loopback():
+    """`stateserve generate --tensor-parallel-size 2` on one host, then the same split over two 'nodes' (two
+    processes meeting at a rendezvous address): both print one rank's text, and the worker node exits 0 when the
+    engine's node is done."""
+    model = demo_model("llama-demo")
+    expected = _greedy_text(model, "The cat", 12)
+    args = ["generate", "--model", model, "--prompt", "The cat", "--max-tokens", "12",
+            "--kv-cache-memory-bytes", str(1 << 24), "--tensor-parallel-size", "2"]
+    out = _cli(*args).communicate(timeout=300)[0]
+    assert "Tensor parallelism: 2 ranks (gloo over loopback)" in out, out
+    assert f"Output: {expected!r}" in out, out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    multi = ["--nnodes", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
+    node1 = _cli("serve", model, "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 24), *multi,
+                 "--node-rank", "1")
+    node0 = _cli(*args, *multi, "--node-rank", "0")
+    out0 = node0.communicate(timeout=300)[0]
+    out1 = node1.communicate(timeout=60)[0]
+    assert node0.returncode == 0 and f"Output: {expected!r}" in out0, out0
+    assert node1.returncode == 0, out1
+    assert "node 1 of 2: running tensor-parallel ranks 1-1" in out1, out1
+
+
+def test_server_with_two_ranks_answers_the_openai_client():
+    import openai
+
+    model = demo_model("llama-demo")
+    expected = _greedy_text(model, "Once upon a time", 10)
+    proc, url, lines = start_server(model, "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 24))
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10, temperature=0)
+        assert done.choices[0].text == expected
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True))
+        assert streamed == expected
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, "".join(lines)
+    assert any("Tensor parallelism: 2 ranks" in line for line in lines)
