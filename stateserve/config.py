@@ -141,6 +141,8 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "ranks the model is split across (CPU, gloo; each a process with its "
                                            "share of the heads, channels and experts, of the cores and of the "
                                            "cache)")
+    pipeline_parallel_size: int = _option(1, "ranks the model's layers are cut across in consecutive stages (CPU, "
+                                             "gloo; each a process with its stage's weights and caches)")
     distributed_init_method: str | None = _option(None, "tcp://HOST:PORT where the ranks of several hosts meet "
                                                         "(node 0 listens; default: a free loopback port)")
     nnodes: int = _option(1, "hosts the tensor-parallel ranks run on (each runs tensor_parallel_size / nnodes)")
@@ -194,23 +196,33 @@ class EngineConfig:
         self._check_parallel(bad)
 
     def _check_parallel(self, bad: Any) -> None:
-        tp, nodes = self.tensor_parallel_size, self.nnodes
-        for name in ("tensor_parallel_size", "nnodes"):
+        tp, nodes = self.world_size, self.nnodes
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 bad(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nodes:
             bad(f"node_rank must be in [0, nnodes={nodes}), got {self.node_rank!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            bad("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 yet")
         if tp % nodes:
-            bad(f"tensor_parallel_size={tp} must be a multiple of nnodes={nodes} (each host runs as many ranks)")
+            bad(f"the {tp} ranks (tensor_parallel_size x pipeline_parallel_size) must be a multiple of nnodes={nodes} "
+                "(each host runs as many ranks)")
         if nodes > 1 and self.distributed_init_method is None:
             bad("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, where the ranks meet)")
         if tp == 1:
             return
         if self.quantization is not None:
-            bad("quantization with tensor_parallel_size > 1 is not supported: the split rules take float weights")
+            bad("quantization with tensor_parallel_size or pipeline_parallel_size > 1 is not supported: the split "
+                "rules take float weights")
         if self.device.startswith("cuda"):
-            bad("tensor_parallel_size > 1 runs on CPU (gloo) only so far; use device='cpu'")
+            bad("tensor_parallel_size and pipeline_parallel_size > 1 run on CPU (gloo) only so far; use "
+                "device='cpu'")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -76,7 +76,9 @@ def common_window(kv_specs: dict[str, KVCacheSpec]) -> int | None:
 
 
 def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateSpec], req: CacheRequest,
-                 device: torch.device) -> Caches:
+                 device: torch.device, own_specs: tuple[dict, dict] | None = None) -> Caches:
+    """own_specs: a pipeline stage's own layers' (kv, state) specs, the only tensors allocated here; the plan (block
+    and slot counts every stage shares) is made over all layers' specs, kv_specs and state_specs."""
     graph_scratch = req.graph_scratch
     window = common_window(kv_specs)
     # what one sequence's blocks span at most, for the planner's cap
@@ -101,7 +103,7 @@ def build_caches(kv_specs: dict[str, KVCacheSpec], state_specs: dict[str, StateS
         logger.info("Available KV cache memory: %.4f GiB; %d KV blocks of %d tokens (%.4f GiB), %d state slots "
                     "(%.4f GiB)", req.budget_bytes / GiB, plan.num_blocks, req.block_size, plan.kv_bytes / GiB,
                     plan.num_slots, plan.state_bytes / GiB)
-    storage = CacheStorage(kv_specs, state_specs, plan, req.block_size, device)
+    storage = CacheStorage(*(own_specs or (kv_specs, state_specs)), plan, req.block_size, device)
     block_pool = slot_pool = snapshots = None
     if kv_specs:
         block_pool = BlockPool(plan.num_blocks - (scratch_block is not None))

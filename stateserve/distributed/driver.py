@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import time
 from typing import Any
 
@@ -36,7 +35,7 @@ class RankFailedError(RuntimeError):
 
 def local_ranks(config: Any) -> range:
     """The ranks this node runs (node k: ranks k * N / nnodes ...)."""
-    per_node = config.tensor_parallel_size // config.nnodes
+    per_node = config.world_size // config.nnodes
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
@@ -53,7 +52,7 @@ def _rendezvous(config: Any) -> tuple[Rendezvous, Any]:
 
     import torch.distributed as dist
 
-    size = config.tensor_parallel_size
+    size = config.world_size
     if config.distributed_init_method is None:  # one host: a free port on loopback
         store = dist.TCPStore("127.0.0.1", 0, size, True, datetime.timedelta(seconds=300), wait_for_workers=False)
         return Rendezvous("127.0.0.1", store.port, size, True), store
@@ -129,8 +128,9 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
                 _stop(self._procs)
                 raise
             super().__init__(config, model_config, device, group=group, max_threads=threads)
-            logger.info("Tensor parallelism: %d ranks (gloo over %s), %d thread(s) per rank on this host",
-                        group.size, "loopback" if rdv.single_host else f"{rdv.host}:{rdv.port}", threads)
+            logger.info("%s parallelism: %d ranks (gloo over %s), %d thread(s) per rank on this host",
+                        "Pipeline" if config.pipeline_parallel_size > 1 else "Tensor", group.size,
+                        "loopback" if rdv.single_host else f"{rdv.host}:{rdv.port}", threads)
 
         def load_model(self, show_progress: bool = True) -> None:
             self._guard(lambda: super(TensorParallelRunner, self).load_model(show_progress))
@@ -138,8 +138,8 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
         def cache_budget_bytes(self) -> int:
             """The ranks of this host share its memory: each plans with its part of the default budget."""
             budget = super().cache_budget_bytes()
-            if self.engine_config.kv_cache_memory_bytes is not None:
-                return budget  # given per rank, as vLLM's kv_cache_memory_bytes is per device
+            if self.engine_config.kv_cache_memory_bytes is not None or self.engine_config.pipeline_parallel_size > 1:
+                return budget  # given per rank (as vLLM's is per device), or a plan the stages split by layers
             return budget // len(local_ranks(self.engine_config))
 
         def initialize_caches(self, reserved_bytes: int = 0) -> Any:
@@ -191,7 +191,7 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             _stop(self._procs)
 
         def shutdown(self) -> None:
-            if self.group is not None and self._failure is None and self.group._pg is not None:
+            if self.group is not None and self._failure is None and self.group.is_open:
                 try:
                     self.group.send_object(("stop",))
                 except Exception as e:  # a rank already gone: the others are killed below

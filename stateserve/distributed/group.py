@@ -72,8 +72,8 @@ class ParallelGroup:
                                                                             options))
 
     @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
+    def is_open(self) -> bool:
+        return self._pg is not None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (a contiguous tensor); returns it."""

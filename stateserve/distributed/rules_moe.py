@@ -14,16 +14,8 @@ import torch
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import column_parallel, rank_share, split_rule, take_rows
-from stateserve.layers.markers import stacked
+from stateserve.distributed.sharding import column_parallel, rank_share, set_param, split_rule, take_rows
 from stateserve.layers.moe import SparseMoE
-
-
-def _set_param(module: nn.Module, name: str, value: torch.Tensor, shard_sizes: list[int] | None) -> None:
-    param = nn.Parameter(value.contiguous(), requires_grad=False)
-    if shard_sizes is not None:
-        stacked(param, shard_sizes)
-    setattr(module, name, param)
 
 
 def _local_columns(linear: nn.Linear, share: slice) -> nn.Linear:
@@ -44,11 +36,11 @@ def split_sparse_moe(moe: SparseMoE, group: ParallelGroup) -> None:
     li = share.stop - share.start
     gate_up, down = moe.experts_gate_up.data, moe.experts_down.data
     if moe.checkpoint_format == "fused":  # [E, 2I, H] (gate rows first), [E, H, I]
-        _set_param(moe, "experts_gate_up", gate_up.view(E, 2, I, H)[:, :, share].reshape(E, 2 * li, H), None)
-        _set_param(moe, "experts_down", down[:, :, share], None)
+        set_param(moe, "experts_gate_up", gate_up.view(E, 2, I, H)[:, :, share].reshape(E, 2 * li, H), None)
+        set_param(moe, "experts_down", down[:, :, share], None)
     else:  # [E * 2I, H] with one shard per expert matrix, [E * H, I]
-        _set_param(moe, "experts_gate_up", take_rows(gate_up, [I] * (2 * E), [share] * (2 * E)), [li] * (2 * E))
-        _set_param(moe, "experts_down", down[:, share], [H] * E)
+        set_param(moe, "experts_gate_up", take_rows(gate_up, [I] * (2 * E), [share] * (2 * E)), [li] * (2 * E))
+        set_param(moe, "experts_down", down[:, share], [H] * E)
     moe.intermediate_size = li
     shared = moe.shared_expert
     if shared is not None:  # gate_up [gate; up] column-parallel, down the rank's columns, summed with the rest

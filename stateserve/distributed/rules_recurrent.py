@@ -24,22 +24,11 @@ from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
 from stateserve.distributed.sharding import (TensorParallelError, column_parallel, rank_share, row_parallel,
-                                             split_rule, take_rows)
+                                             set_param, split_rule, take_rows)
 from stateserve.layers.delta_rule import GatedDeltaNet
-from stateserve.layers.markers import stacked
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.selective_scan import MambaMixer
 from stateserve.layers.zamba_mamba import ZambaMambaMixer
-
-
-def _set_param(module: nn.Module, name: str, value: torch.Tensor, shard_sizes: list[int] | None = None) -> None:
-    """Replace module.<name> by a parameter holding `value`; shard_sizes: its new `stacked` marker (kept off when
-    the old parameter had none)."""
-    had_marker = hasattr(getattr(module, name), "shard_sizes")
-    param = nn.Parameter(value.contiguous(), requires_grad=False)
-    if had_marker and shard_sizes is not None:
-        stacked(param, shard_sizes)
-    setattr(module, name, param)
 
 
 def _rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
@@ -48,9 +37,9 @@ def _rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 def _split_conv(conv: nn.Conv1d, parts: list[int], shares: list[slice]) -> None:
     """A depthwise conv's channels (weight [C, 1, K], bias [C]) of this rank, part by part."""
-    _set_param(conv, "weight", take_rows(conv.weight.data, parts, shares))
+    set_param(conv, "weight", take_rows(conv.weight.data, parts, shares))
     if conv.bias is not None:
-        _set_param(conv, "bias", take_rows(conv.bias.data, parts, shares))
+        set_param(conv, "bias", take_rows(conv.bias.data, parts, shares))
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
 
 
@@ -68,8 +57,8 @@ def split_mamba_mixer(mixer: MambaMixer, group: ParallelGroup) -> None:
     # dt_low, B and C contract over d_inner: every rank needs their sum (the dt/B/C norms then act on it whole)
     mixer.x_proj = row_parallel(mixer.x_proj, group, share)
     column_parallel(mixer.dt_proj, [share])
-    _set_param(mixer, "A_log", mixer.A_log.data[share])
-    _set_param(mixer, "D", mixer.D.data[share])
+    set_param(mixer, "A_log", mixer.A_log.data[share])
+    set_param(mixer, "D", mixer.D.data[share])
     mixer.out_proj = row_parallel(mixer.out_proj, group, share)
     mixer.intermediate_size = share.stop - share.start
     # scan_chunk stays: the same chunks as on one rank (and a smaller [Q, D, N] temporary)
@@ -84,7 +73,7 @@ def split_zamba_mamba_mixer(mixer: ZambaMambaMixer, group: ParallelGroup) -> Non
     column_parallel(mixer.in_proj, [_scale(D, channels, 2)], [2 * D])
     _split_conv(mixer.conv1d, [D], [channels])
     for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
-        _set_param(mixer, name, getattr(mixer, name).data[heads])
+        set_param(mixer, name, getattr(mixer, name).data[heads])
     mixer.out_proj = row_parallel(mixer.out_proj, group, channels)
     mixer.num_heads = heads.stop - heads.start
     mixer.intermediate_size = channels.stop - channels.start
@@ -150,11 +139,11 @@ def split_mamba2_mixer(mixer: Mamba2Mixer, group: ParallelGroup) -> None:
         mixer.in_proj_scale = take_rows(mixer.in_proj_scale, parts, shares)
     _split_conv(mixer.conv1d, [inner, gn, gn], [x_rows, bc_rows, bc_rows])  # over [x | B | C]
     for name in ("dt_bias", "A_log", "D"):
-        _set_param(mixer, name, getattr(mixer, name).data[heads])
+        set_param(mixer, name, getattr(mixer, name).data[heads])
     if norm is not None:
         weight = norm.weight.data[x_rows]
         if local % norm.group_size == 0:
-            _set_param(norm, "weight", weight)
+            set_param(norm, "weight", weight)
         else:
             mixer.norm = SplitGatedRMSNorm(weight, norm.group_size, norm.eps, norm.norm_before_gate, x_rows.start,
                                            inner // norm.group_size, group)
@@ -217,15 +206,15 @@ def split_gated_delta_net(layer: GatedDeltaNet, group: ParallelGroup) -> None:
         qkvz_sizes, ba_sizes = [layer.conv_dim, layer.value_dim], [lv, lv]
     else:
         qkvz_sizes, ba_sizes = [layer.key_dim, layer.key_dim, layer.value_dim, layer.value_dim], [lv, lv]
-    _set_param(layer.in_proj_qkvz, "weight", _rows(layer.in_proj_qkvz.weight.data, qkvz), qkvz_sizes)
-    _set_param(layer.in_proj_ba, "weight", _rows(layer.in_proj_ba.weight.data, ba), ba_sizes)
+    set_param(layer.in_proj_qkvz, "weight", _rows(layer.in_proj_qkvz.weight.data, qkvz), qkvz_sizes)
+    set_param(layer.in_proj_ba, "weight", _rows(layer.in_proj_ba.weight.data, ba), ba_sizes)
     for proj in (layer.in_proj_qkvz, layer.in_proj_ba):
         proj.out_features = proj.weight.shape[0]
-    _set_param(layer.conv1d, "weight", _rows(layer.conv1d.weight.data, conv_rows),
+    set_param(layer.conv1d, "weight", _rows(layer.conv1d.weight.data, conv_rows),
                [layer.key_dim, layer.key_dim, layer.value_dim])
     layer.conv1d.in_channels = layer.conv1d.out_channels = layer.conv1d.groups = layer.conv_dim
-    _set_param(layer, "dt_bias", _rows(layer.dt_bias.data, v_heads))
-    _set_param(layer, "A_log", _rows(layer.A_log.data, v_heads))
+    set_param(layer, "dt_bias", _rows(layer.dt_bias.data, v_heads))
+    set_param(layer, "A_log", _rows(layer.A_log.data, v_heads))
     # the gated norm is per value head (head_v_dim channels): unchanged. A rank's value heads are contiguous (a
     # range of them, or all those of its key heads): its columns of out_proj are one slice
     layer.out_proj = row_parallel(layer.out_proj, group, slice(v_heads[0] * dv, (v_heads[-1] + 1) * dv))

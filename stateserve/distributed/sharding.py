@@ -66,27 +66,22 @@ def take_rows(t: torch.Tensor, parts: list[int], shares: list[slice]) -> torch.T
     return torch.cat(pieces).contiguous()
 
 
-def _replace_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    old = getattr(module, name)
+def set_param(module: nn.Module, name: str, value: torch.Tensor, shard_sizes: list[int] | None = None) -> None:
+    """Replace module.<name> by a frozen parameter holding `value` (contiguous), `stacked` with shard_sizes when
+    given (the loader's marker; a split model is loaded already, so only a split rule reads it back)."""
     param = nn.Parameter(value.contiguous(), requires_grad=False)
-    if hasattr(old, "shard_sizes"):
-        param.shard_sizes = old.shard_sizes  # type: ignore[attr-defined]
-    setattr(module, name, param)
+    setattr(module, name, param if shard_sizes is None else stacked(param, shard_sizes))
 
 
 def column_parallel(linear: nn.Linear, shares: list[slice], parts: list[int] | None = None) -> None:
     """Keep the output rows (weight rows, bias entries) of this rank: `shares[i]` of each stacked part i (parts:
     the stacked sizes, default one part of all rows). The layer's `stacked` marker follows the new sizes."""
     parts = parts or [linear.out_features]
-    _replace_param(linear, "weight", take_rows(linear.weight.data, parts, shares))
+    sizes = [len(range(size)[share]) for size, share in zip(parts, shares)]
+    set_param(linear, "weight", take_rows(linear.weight.data, parts, shares), sizes)
     if linear.bias is not None:
-        _replace_param(linear, "bias", take_rows(linear.bias.data, parts, shares))
+        set_param(linear, "bias", take_rows(linear.bias.data, parts, shares), sizes)
     linear.out_features = linear.weight.shape[0]
-    if hasattr(linear.weight, "shard_sizes"):
-        sizes = [len(range(size)[share]) for size, share in zip(parts, shares)]
-        stacked(linear.weight, sizes)
-        if linear.bias is not None:
-            stacked(linear.bias, sizes)
 
 
 class RowParallelLinear(nn.Module):

@@ -62,9 +62,10 @@ class LLMEngine:
         if config.node_rank > 0:
             raise ValueError(f"node_rank={config.node_rank} runs only tensor-parallel workers, no engine: start it with "
                              "`stateserve serve|generate --node-rank N ...` (node 0 runs the engine)")
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             if self.reference:
-                raise ValueError("STATESERVE_RUNNER=reference runs on one rank: tensor_parallel_size must be 1")
+                raise ValueError("STATESERVE_RUNNER=reference runs on one rank: tensor_parallel_size and "
+                                 "pipeline_parallel_size must be 1")
             from stateserve.distributed.driver import make_runner
 
             self.runner = make_runner(config, self.model_config, self.device)

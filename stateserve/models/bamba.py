@@ -124,6 +124,7 @@ class BambaModel(nn.Module):
 
 
 class BambaForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 1
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

@@ -34,6 +34,11 @@ class ModelBase(nn.Module):
     # MoE families whose experts load per expert: the layout ("gated" or "non_gated") of the 3-D fused expert
     # tensors that expand_weight splits into per-expert names (None: no fused expert tensors are split)
     fused_experts: ClassVar[str | None] = None
+    # pipeline parallelism (distributed/pipeline.py): the submodule path of the layer list whose loop is the whole
+    # forward between the embeddings and the final norm (None: no pipeline split), and how many values one layer
+    # hands the next (1: the hidden rows; 2: hidden rows and the residual stream, returned as a tuple)
+    pipeline_layers: ClassVar[str | None] = None
+    pipeline_carry: ClassVar[int] = 1
 
     # ---- class hooks: routing and limits -------------------------------------------------------
     @classmethod

@@ -112,6 +112,7 @@ class FalconH1Model(nn.Module):
 
 
 class FalconH1ForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 1
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

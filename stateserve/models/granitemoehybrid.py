@@ -132,6 +132,7 @@ def _check_config(cfg: Any) -> None:
 
 
 class GraniteMoeHybridForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 1
     is_hybrid = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

@@ -89,6 +89,7 @@ class JambaModel(nn.Module):
 
 
 class JambaForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 1
     fused_experts = "gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
 

@@ -27,6 +27,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 2
     qkv_bias_from_config = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

@@ -53,6 +53,7 @@ class MambaBackbone(nn.Module):
 
 
 class MambaForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "backbone.layers", 2
     is_attention_free: ClassVar[bool] = True
     bcdt_norm: ClassVar[str | None] = None
 

@@ -55,6 +55,7 @@ class Mamba2Backbone(nn.Module):
 
 
 class Mamba2ForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "backbone.layers", 2
     is_attention_free = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:

@@ -237,6 +237,7 @@ class NemotronHBackbone(nn.Module):
 
 
 class NemotronHForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "backbone.layers", 1
     fused_experts = "non_gated"  # 3-D fused expert tensors load too, split per expert (ModelBase.expand_weight)
     is_hybrid = True
 

@@ -146,6 +146,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(ModelBase):
+    pipeline_layers, pipeline_carry = "model.layers", 1
     """Also the base of the Qwen3.5 classes (models/qwen3_5.py), which differ in the delta net's checkpoint
     layout (`projection_layout`), the feed-forward of each layer (`build_mlp`) and checkpoint names."""
     is_hybrid = True

@@ -22,6 +22,7 @@ from stateserve.config import EngineConfig, ModelConfig
 from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.distributed.group import ParallelGroup
+from stateserve.distributed.pipeline import split_pipeline
 from stateserve.distributed.sharding import split_model
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
@@ -70,6 +71,7 @@ class ModelRunner:
         max_threads: this runner's own thread budget (a rank's share of the host) instead of the process's."""
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
         self.group = group if group is not None and group.size > 1 else None
+        self._plan_specs: tuple[dict, dict] | None = None  # pipeline stages: all layers' specs (cache_specs: own)
         spec = engine_config.speculative_config
         # speculative decoding keeps the state after each of a sequence's k drafts until they are verified
         self._spare_slots = spare_slots_per_seq if spare_slots_per_seq is not None else \
@@ -101,9 +103,10 @@ class ModelRunner:
                                             show_progress)
         if self.group is not None:
             if quantized is not None:
-                raise ValueError("tensor parallelism takes float weights: a quantized model (quantization= or a "
-                                 "GGUF file's quantized tensors) runs with tensor_parallel_size=1")
-            split_model(model, self.group)
+                raise ValueError("tensor and pipeline parallelism take float weights: a quantized model "
+                                 "(quantization= or a GGUF file's quantized tensors) runs on one rank")
+            if self.engine_config.tensor_parallel_size > 1:
+                split_model(model, self.group)
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
@@ -118,6 +121,9 @@ class ModelRunner:
         logger.info("Model loading took %.4f GiB memory and %.2f seconds%s%s", used / GiB, time.perf_counter() - start,
                     source, f"; {quantized.describe()}" if quantized is not None else "")
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
+        if self.group is not None and self.engine_config.pipeline_parallel_size > 1:
+            self._plan_specs = self.cache_specs()  # every stage's, for the plan all ranks share
+            split_pipeline(self.model, self.group)
         self.poll_threads()
         self.profile_activations()
 
@@ -237,7 +243,7 @@ class ModelRunner:
         """Have cache/ build the caches the model state's policy asks for, bind them to the layers, hand the
         manager to the model state, and capture decode graphs where they apply; returns the manager.
         reserved_bytes: taken off the budget first (a draft model's caches)."""
-        kv_specs, state_specs = self.cache_specs()
+        kv_specs, state_specs = self._plan_specs or self.cache_specs()
         policy = self.model_state.cache_policy()
         backend = self._graph_backend()
         cfg = self.engine_config
@@ -247,7 +253,7 @@ class ModelRunner:
             num_snapshot_slots=policy.num_snapshot_slots, graph_scratch=backend is not None,
             num_blocks_override=cfg.num_gpu_blocks_override, spare_slots_per_seq=self.spare_slots_per_seq(),
             max_chunk_tokens=cfg.max_num_batched_tokens),
-            self.device)
+            self.device, own_specs=self.cache_specs() if self._plan_specs else None)
         modules = dict(self.model.named_modules())
         for name, (k, v) in self.caches.storage.kv.items():
             modules[name].bind_cache(k, v)
