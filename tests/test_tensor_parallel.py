@@ -85,6 +85,27 @@ def test_fewer_kv_heads_than_ranks_are_replicated(llama):
         assert [t for t, _ in _run(llm, PROMPTS)] == hf_greedy(hf, PROMPTS, 10)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_vocabulary_is_split_and_gathered(tied, tmp_path):
+    """An odd vocabulary (301 rows: 151 per rank, one padding row) split over two ranks, tied or not: greedy tokens
+    are transformers', logprobs and prompt logprobs (logits gathered for other rows) those of one rank."""
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **{**BASE, "vocab_size": 301, "tie_word_embeddings": tied})
+    path = save_model(hf, str(tmp_path / "vocab"))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=1)
+    with LLM(path, **KW) as one:
+        ref = one.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    with LLM(path, tensor_parallel_size=2, **KW) as two:
+        model = two.llm_engine.runner.model
+        assert type(model.model.embed_tokens).__name__ == "VocabParallelEmbedding"
+        assert model.lm_head.weight.shape[0] == 151 and (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        ours = two.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in ours] == hf_greedy(hf, PROMPTS, 6)
+    for a, b in zip(ours, ref):
+        for step_a, step_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t].logprob - step_b[t].logprob) < 1e-4 for t in step_a)
+
+
 def test_heads_that_do_not_divide_are_refused(tmp_path):
     hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **{**BASE, "num_attention_heads": 2, "num_key_value_heads": 1,
                                                           "intermediate_size": 96})
@@ -95,7 +116,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
-    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization with tensor_parallel_size > 1"),
+    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization with tensor_parallel_size or pipeline"),
     ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_method": "tcp://127.0.0.1:1"}, "multiple of nnodes"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, "nnodes > 1 needs distributed_init_method"),
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "distributed_init_method": "tcp://h:1"},

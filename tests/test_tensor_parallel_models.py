@@ -17,7 +17,7 @@ from test_jamba import _build as jamba
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
 from test_qwen3_next import _build as qwen3_next
-from utils import assert_greedy_matches, hf_greedy
+from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
 
 # mixed lengths: one token, a few, several 16-token prefill chunks
 PROMPTS = [[250], [7, 3, 2], list(range(20, 29)), list(range(100, 117)), [(17 * i) % 290 + 3 for i in range(40)]]
@@ -79,12 +79,18 @@ def test_two_ranks_match_one_rank_and_transformers(arch, tmp_path):
     build, config, tol = PARITY[arch]
     hf, path = build(tmp_path, **config)
     ref = hf_greedy(hf, PROMPTS, MAX_NEW)
+    tokens = PROMPTS[-1]
     with _llm(path, 1) as llm:
         one, one_tokens = _generate(llm, PROMPTS, MAX_NEW)
+        one_forced = engine_teacher_forced_logits(llm, tokens, 7)
     with _llm(path, 2) as llm:
         two, two_tokens = _generate(llm, PROMPTS, MAX_NEW)
         llm.llm_engine.check_integrity()
         assert llm.llm_engine.cache.is_idle_and_full()
+        for chunk in (1, 7):  # one-token decode steps and 7-token prefill chunks, through the real caches
+            forced = engine_teacher_forced_logits(llm, tokens, chunk)
+            scale = one_forced.abs().amax(-1, keepdim=True).clamp(min=1.0)
+            assert ((forced - one_forced).abs() <= REL_TOL * scale).all(), (forced - one_forced).abs().max()
     assert two_tokens == one_tokens
     assert_greedy_matches(two_tokens, ref, hf, PROMPTS, tol=tol)
     _assert_logprobs_close(two, one)
@@ -98,8 +104,12 @@ def test_jamba_moe_and_preemption(tmp_path):
     max_new = 30
     with _llm(path, 1) as llm:
         one, one_tokens = _generate(llm, SIX_MIXED, max_new)
+        one_forced = engine_teacher_forced_logits(llm, SIX_MIXED[-1], 7)
     with _llm(path, 2) as llm:
         two, two_tokens = _generate(llm, SIX_MIXED, max_new)
+        forced = engine_teacher_forced_logits(llm, SIX_MIXED[-1], 7)
+    scale = one_forced.abs().amax(-1, keepdim=True).clamp(min=1.0)
+    assert ((forced - one_forced).abs() <= REL_TOL * scale).all(), (forced - one_forced).abs().max()
     assert two_tokens == one_tokens
     _assert_logprobs_close(two, one)
     ids = SIX_MIXED[:3]
@@ -191,4 +201,4 @@ def test_rules_name_the_size_that_does_not_divide(case):
 
     make, size, message = REFUSED[case]
     with pytest.raises(TensorParallelError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        split_model(make(), ParallelGroup(size - 1, size))
+        split_model(make(), ParallelGroup(size - 1, size), vocab_size=300)

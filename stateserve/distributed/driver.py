@@ -154,6 +154,17 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             journal, self._journal[:] = list(self._journal), []
             return self._guard(lambda: self._step(input_ids, positions, meta, journal), any_error=True)
 
+        def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            """With the vocabulary split, every rank computes its share of these rows' logits; rank 0 gathers."""
+            if not self.vocab_split:
+                return super().logits_of(hidden, rows)
+            return self._guard(lambda: self._gathered_logits(hidden, rows), any_error=True)
+
+        def _gathered_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+            self.group.send_object(("logits", rows))
+            local = super(TensorParallelRunner, self).logits_of(hidden, rows)  # [n, padded vocab / N]
+            return torch.cat(self.group.all_gather(local), dim=-1)[:, :self.model_config.vocab_size]
+
         def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, journal: list) -> torch.Tensor:
             self.group.send_object(("step", journal, input_ids, positions, meta))
             return super(TensorParallelRunner, self).run_model(input_ids, positions, meta)

@@ -121,10 +121,14 @@ class ParallelGroup:
         return pickle.loads(data)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        start = time.perf_counter()
         self._pg.send([tensor.contiguous()], dst, 0).wait()
+        self._count(start)
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        start = time.perf_counter()
         self._pg.recv([tensor], src, 0).wait()
+        self._count(start)
         return tensor
 
     def close(self) -> None:

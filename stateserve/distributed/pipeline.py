@@ -83,7 +83,7 @@ class RemoteLayer(nn.Module):
 
 def split_pipeline(model: nn.Module, group: ParallelGroup) -> None:
     """Keep this rank's stage of the model's layers; the others become RemoteLayers."""
-    path, carry = getattr(model, "pipeline_layers", None), getattr(model, "pipeline_carry", 1)
+    path, carry = model.pipeline_layers, model.pipeline_carry
     if path is None:
         raise TensorParallelError(f"{type(model).__name__} does not support pipeline parallelism (its forward is more "
                                   "than a plain loop over its layers); use tensor_parallel_size instead")

@@ -124,10 +124,13 @@ def row_parallel(linear: nn.Linear, group: ParallelGroup, share: slice | list[sl
     return RowParallelLinear(local, None if linear.bias is None else linear.bias.data, group)
 
 
-def split_model(model: nn.Module, group: ParallelGroup) -> None:
-    """Apply every layer's split rule (outermost first: a rule owns the modules under it) and log what stays
-    whole on every rank."""
+def split_model(model: nn.Module, group: ParallelGroup, vocab_size: int) -> bool:
+    """Apply every layer's split rule (outermost first: a rule owns the modules under it), split the vocabulary
+    (distributed/vocab.py) and log what stays whole on every rank. Returns whether the vocabulary was split (the
+    logits then come from every rank)."""
     import importlib
+
+    from stateserve.distributed.vocab import split_vocab
 
     for name in _RULE_MODULES:
         importlib.import_module(name)
@@ -141,10 +144,16 @@ def split_model(model: nn.Module, group: ParallelGroup) -> None:
             done.append(name)
     if not done:
         raise TensorParallelError(f"{type(model).__name__} has no layer that tensor parallelism can split")
+    vocab_split = split_vocab(model, vocab_size, group)
     split = {id(p) for prefix in done for p in model.get_submodule(prefix).parameters()}
+    if vocab_split:
+        split |= {id(model.lm_head.weight)} | {id(m.weight) for m in model.modules()
+                                              if type(m).__name__ == "VocabParallelEmbedding"}
     whole = sum(p.numel() for p in model.parameters() if id(p) not in split)
     total = sum(p.numel() for p in model.parameters())
     kinds = sorted({type(model.get_submodule(n)).__name__ for n in done})
-    logger.info("Tensor parallel rank %d/%d: split %d layers (%s); %.1f%% of this rank's weights are whole on "
-                "every rank (embeddings, head, norms and layers without a split rule)", group.rank, group.size,
-                len(done), ", ".join(kinds), 100.0 * whole / max(total, 1))
+    logger.info("Tensor parallel rank %d/%d: split %d layers (%s) and %s; %.1f%% of this rank's weights are "
+                "whole on every rank (norms, layers without a split rule%s)", group.rank, group.size, len(done),
+                ", ".join(kinds), "the vocabulary" if vocab_split else "not the vocabulary",
+                100.0 * whole / max(total, 1), "" if vocab_split else ", the embedding and the head")
+    return vocab_split

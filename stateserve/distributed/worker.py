@@ -6,10 +6,11 @@ them all), builds cache storage to rank 0's plan (same block and slot ids, this 
 0's messages until told to stop:
     ("caches", plan)                      build and bind the storage
     ("step", journal, ids, positions, meta) replay rank 0's slot writes since the last step, run the forward
+    ("logits", rows)                      this rank's share of the logits of the last step's rows (rank 0 gathers)
     ("stop",)                             release everything and return
 Rank 0 decides every block, slot and snapshot; the journal (cache/storage.py) carries the state-slot writes it made
 outside a forward (a fresh slot zeroed, a snapshot restored or taken, ...), so every rank's slots hold the same
-sequences' states. The logits are rank 0's alone (the head is whole there)."""
+sequences' states. Rank 0 samples; with a split vocabulary the workers add their share of the logits."""
 from __future__ import annotations
 
 import logging
@@ -54,6 +55,7 @@ def bind_storage(runner: Any, plan: Any) -> CacheStorage:
 def serve(runner: Any, group: ParallelGroup) -> None:
     """Follow rank 0's messages until ("stop",)."""
     storage: CacheStorage | None = None
+    hidden = None  # the last step's output: a split vocabulary's logits are taken from it
     with torch.inference_mode():
         while True:
             message = group.recv_object()
@@ -67,7 +69,9 @@ def serve(runner: Any, group: ParallelGroup) -> None:
                 if storage is not None:
                     storage.replay(journal)
                 runner.poll_threads()
-                runner.model(input_ids, positions, meta)
+                hidden = runner.model(input_ids, positions, meta)
+            elif kind == "logits":
+                group.all_gather(runner.logits_of(hidden, message[1]).contiguous())
             else:
                 raise RuntimeError(f"unknown message from rank 0: {kind!r}")
 

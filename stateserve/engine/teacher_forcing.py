@@ -26,7 +26,7 @@ def teacher_forced_logits(llm, token_ids: list[int], chunk: int) -> torch.Tensor
                 batch = build_input_batch(sched, runner.device)
                 meta = runner.model_state.prepare_meta(batch)
                 hidden = runner.run_model(batch.input_ids, batch.positions, meta)  # [T, hidden]
-                rows.append(runner.model.compute_logits(hidden).float())
+                rows.append(runner.logits_of(hidden, None).float())
                 req.num_computed_tokens += n
     finally:
         engine.cache.free(req)

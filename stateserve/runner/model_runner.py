@@ -72,6 +72,7 @@ class ModelRunner:
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
         self.group = group if group is not None and group.size > 1 else None
         self._plan_specs: tuple[dict, dict] | None = None  # pipeline stages: all layers' specs (cache_specs: own)
+        self.vocab_split = False  # tensor parallelism: each rank holds its share of the head's logits
         spec = engine_config.speculative_config
         # speculative decoding keeps the state after each of a sequence's k drafts until they are verified
         self._spare_slots = spare_slots_per_seq if spare_slots_per_seq is not None else \
@@ -106,7 +107,7 @@ class ModelRunner:
                 raise ValueError("tensor and pipeline parallelism take float weights: a quantized model "
                                  "(quantization= or a GGUF file's quantized tensors) runs on one rank")
             if self.engine_config.tensor_parallel_size > 1:
-                split_model(model, self.group)
+                self.vocab_split = split_model(model, self.group, self.model_config.vocab_size)
         self.model = model.eval().requires_grad_(False)
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
@@ -382,12 +383,16 @@ class ModelRunner:
         hidden = self.run_model(batch.input_ids, batch.positions, meta)  # [T, hidden]
         prompt_lps = None
         if batch.prompt_rows:
-            rows_of = lambda rows: self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # noqa: E731
+            rows_of = lambda rows: self.logits_of(hidden, torch.tensor(rows, device=hidden.device))  # noqa: E731
             prompt_lps = prompt_logprobs(rows_of, batch.prompt_rows,
                                          {i: batch.requests[i].params.prompt_logprobs for i in batch.prompt_rows})
         if not batch.sample_indices:
             return None, prompt_lps
-        return self.model.compute_logits(hidden[batch.logits_indices]), prompt_lps  # [n, vocab]
+        return self.logits_of(hidden, batch.logits_indices), prompt_lps  # [n, vocab]
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of hidden's `rows` (None: all) -> [n, vocab] (a vocabulary split over ranks is gathered)."""
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
