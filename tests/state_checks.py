@@ -118,10 +118,10 @@ class _Oracle(Proposer):
             req.spec_token_ids = [t if self.rng.random() >= 0.3 else (t + 1) % 300 for t in drafts]
 
 
-def check_speculative_rollback_exact(path: str, monkeypatch) -> None:
+def check_speculative_rollback_exact(path: str, monkeypatch, **engine_kw) -> None:
     """Drafts (30% wrong) verified in batched steps beside prefill chunks, the state rolled back to the last
     accepted token, snapshots in mode all: the plain greedy tokens and logprobs on both passes (the second with
-    prefix hits)."""
+    prefix hits). engine_kw: more options of the speculating engine (e.g. tensor_parallel_size)."""
     from stateserve.spec_decode import speculator
 
     monkeypatch.setattr(speculator, "MAX_VERIFY_ROWS", 1 << 10)  # verify every request's drafts in one step
@@ -130,7 +130,7 @@ def check_speculative_rollback_exact(path: str, monkeypatch) -> None:
     with small_llm(path, enable_prefix_caching=False, **kw) as plain:
         ref = scored(plain, prompts, 16)
     with small_llm(path, enable_prefix_caching=True, mamba_cache_mode="all",
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw) as llm:
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw, **engine_kw) as llm:
         llm.llm_engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, ref)})
         for _ in range(2):
             assert_same(scored(llm, prompts, 16), ref)

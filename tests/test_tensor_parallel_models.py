@@ -17,6 +17,7 @@ from test_jamba import _build as jamba
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
 from test_qwen3_next import _build as qwen3_next
+from state_checks import check_speculative_rollback_exact
 from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
 
 # mixed lengths: one token, a few, several 16-token prefill chunks
@@ -94,6 +95,15 @@ def test_two_ranks_match_one_rank_and_transformers(arch, tmp_path):
     assert two_tokens == one_tokens
     assert_greedy_matches(two_tokens, ref, hf, PROMPTS, tol=tol)
     _assert_logprobs_close(two, one)
+
+
+@pytest.mark.parametrize("arch", ["mamba2_g1", "bamba"])
+def test_speculative_rollback_on_two_ranks(arch, tmp_path, monkeypatch):
+    """Verify steps with rejected drafts on two ranks: the kept states, the rollback's slot swaps and the committed
+    snapshots (journalled to the worker) leave plain one-rank decoding's tokens and logprobs, on both passes."""
+    build, config, _ = PARITY[arch]
+    _, path = build(tmp_path, **config)
+    check_speculative_rollback_exact(path, monkeypatch, tensor_parallel_size=2)
 
 
 def test_jamba_moe_and_preemption(tmp_path):
