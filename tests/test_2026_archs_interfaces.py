@@ -87,3 +87,21 @@ def test_server_with_the_openai_client(folders, family):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_recurrent_gemma_takes_sequences_past_2048_tokens(folders):
+    """RecurrentGemma positions any length (no max_position_embeddings; its KV cache keeps only the window): the
+    default max_model_len is the recurrent models' and a longer one is accepted, where a model with a limit is held
+    to it."""
+    from stateserve.models import folder as model_folder
+
+    path = folders["recurrent_gemma"]
+    kw = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    with LLM(path, **kw) as llm:
+        assert llm.llm_engine.model_config.max_model_len == model_folder._DEFAULT_RECURRENT_MAX_LEN
+    with LLM(path, max_model_len=3000, max_num_batched_tokens=1024, **kw) as llm:
+        out = llm.generate([{"prompt_token_ids": [(7 * i) % 290 + 5 for i in range(2600)]}],
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):
+        LLM(folders["qwen3_5"], max_model_len=3000, **kw)

@@ -130,10 +130,10 @@ def _bart(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["llama", "mamba", "mamba2", "bamba", "bert", "bart"])
 def test_profile_runs_for_every_kind(kind, tmp_path_factory, caplog):
-    from stateserve.runner import model_runner
+    from stateserve.runner import activation_profile
 
     path = {"bert": _bert, "bart": _bart}.get(kind, lambda f: model_path(kind, f))(tmp_path_factory)
-    model_runner._cpu_profiles.clear()  # measure now, not from an earlier test's engine
+    activation_profile._cpu_profiles.clear()  # measure now, not from an earlier test's engine
     with caplog.at_level(logging.INFO, logger="stateserve"):
         with LLM(path, skip_tokenizer_init=True, max_num_batched_tokens=300) as llm:
             runner = llm.llm_engine.runner
@@ -143,7 +143,7 @@ def test_profile_runs_for_every_kind(kind, tmp_path_factory, caplog):
             else:
                 assert runner.activation_source == "measured", runner.activation_source
                 assert "Activation memory:" in caplog.text and "dummy forward of 256 tokens" in caplog.text
-                assert len(model_runner._cpu_profiles) == 1  # kept: the next engine of this config skips it
+                assert len(activation_profile._cpu_profiles) == 1  # kept: the next engine of this config skips it
             if runner.caches.storage is not None:  # nothing of the dummy forward is left in any cache
                 for t in [t for kv in runner.caches.storage.kv.values() for t in kv] + \
                          [t for layer in runner.caches.storage.states.values() for t in layer.values()]:

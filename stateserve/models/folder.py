@@ -21,8 +21,9 @@ def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
     cls = ModelRegistry.resolve(arch)
     is_af, is_hybrid = cls.resolve_flags(hf)  # e.g. a hybrid family whose config may turn out all-attention
     limit = cls.max_positions(hf)  # e.g. Whisper's decoder: max_target_positions
+    bounded = limit is not None  # None: the model positions any length (a recurrence, RecurrentGemma's rope)
     if limit is None:
-        limit = _DEFAULT_RECURRENT_MAX_LEN if is_af else 2048
+        limit = _DEFAULT_RECURRENT_MAX_LEN if is_af or is_hybrid else 2048
     elif not is_af:
         from stateserve.layers.rotary import rope_parameters
 
@@ -30,7 +31,7 @@ def build_model_config(cfg: EngineConfig, device: torch.device) -> ModelConfig:
         if rope["rope_type"] in ("linear", "dynamic"):  # these stretch the usable context by `factor`
             limit = int(limit * rope.get("factor", 1.0))
     if cfg.max_model_len is not None:
-        if cfg.max_model_len > limit and not is_af:
+        if cfg.max_model_len > limit and bounded and not is_af:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={limit}")
         limit = cfg.max_model_len
     return ModelConfig(path=cfg.model, hf_config=hf, architecture=arch, dtype=resolve_dtype(cfg.dtype, hf, device),

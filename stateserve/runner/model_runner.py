@@ -33,18 +33,13 @@ from stateserve.model_states import init_model_state
 from stateserve.models.loader import load_checkpoint
 from stateserve.models.registry import ModelRegistry
 from stateserve.platform import cpu_threads, host_allocator, huge_pages
-from stateserve.platform.peak_rss import PeakRssSampler
-from stateserve.runner import cuda_graphs
+from stateserve.runner import activation_profile, cuda_graphs
 from stateserve.runner.sampler import SampleResult, Sampler, prompt_logprobs
 from stateserve.runner import spec_verify
 
 logger = logging.getLogger("stateserve")
 GiB = 1 << 30
 CPU_CACHE_SHARE = 0.4  # on CPU the cache takes at most this share of the memory left after activations
-# The CPU profile runs at most this many tokens and scales the peak linearly to max_num_batched_tokens (a full
-# 2048-token forward costs more than engine start itself); its result is kept per process and model config.
-CPU_PROFILE_MAX_TOKENS = 256
-_cpu_profiles: dict[tuple, int] = {}
 
 
 @dataclass
@@ -152,58 +147,9 @@ class ModelRunner:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     # ---- activation profile --------------------------------------------------------------------
-    def _dummy_forward(self, num_tokens: int, seq_len: int) -> None:
-        """A prefill of `num_tokens` tokens (sequences of at most `seq_len`) with nothing cached, on metadata the
-        model state builds for it (no cache a request could read is written: the real caches do not exist yet)."""
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        with self.model_state.profile_meta(lens) as meta:
-            hidden = self.model(ids, positions, meta)  # [T, hidden]
-            if self.model_state.supports_generate:  # the sampled rows' logits and the sampler's sort of them
-                rows = hidden[-min(num_tokens, self.engine_config.max_num_seqs):]
-                self.model.compute_logits(rows).float().softmax(-1).sort(dim=-1)
-
     def profile_activations(self) -> None:
-        """Peak activation memory of a max_num_batched_tokens step, measured with a dummy forward: on CUDA the
-        growth of torch.cuda.max_memory_allocated; on CPU the peak growth of resident memory (sampled)."""
-        total = self.engine_config.max_num_batched_tokens
-        estimate = total * self.model_config.vocab_size * 4 * 2  # a fallback: float32 logits, twice
-        seq_len = self.model_state.dummy_seq_len()
-        if seq_len is None:
-            self.activation_bytes, self.activation_source = estimate, "estimated (no dummy forward for this kind)"
-            return
-        num_tokens = total if self.device.type == "cuda" else min(total, CPU_PROFILE_MAX_TOKENS)
-        seq_len = max(1, min(seq_len, num_tokens))
-        key = (self.model_config.architecture, self.model_config.hf_config.to_json_string(),
-               self.model_config.dtype, num_tokens, seq_len, self.engine_config.max_num_seqs)
-        try:
-            with torch.inference_mode():
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    before = torch.cuda.memory_allocated(self.device)
-                    self._dummy_forward(num_tokens, seq_len)
-                    torch.cuda.synchronize(self.device)
-                    peak = torch.cuda.max_memory_allocated(self.device) - before
-                elif key in _cpu_profiles and self.group is None:  # the ranks of a group run it together
-                    peak = _cpu_profiles[key]
-                else:
-                    host_allocator.release_free_memory()  # so the forward cannot reuse memory RSS already counts
-                    with PeakRssSampler() as sampler:
-                        self._dummy_forward(num_tokens, seq_len)
-                    peak = _cpu_profiles[key] = sampler.growth
-        except Exception as e:  # a model the dummy inputs do not suit must still start
-            if self.group is not None:  # a rank gone, or ranks out of step: nothing to estimate around
-                raise
-            logger.warning("activation profiling failed (%s: %s); using an estimate", type(e).__name__, e)
-            self.activation_bytes, self.activation_source = estimate, "estimated (dummy forward failed)"
-            return
-        self.activation_bytes = int(peak * total / num_tokens)
-        self.activation_source = "measured"
-        logger.info("Activation memory: %.4f GiB peak for %d tokens (dummy forward of %d tokens, %s)",
-                    self.activation_bytes / GiB, total, num_tokens,
-                    "max_memory_allocated" if self.device.type == "cuda" else "sampled resident memory")
+        """Peak activation memory of a max_num_batched_tokens step (runner/activation_profile.py)."""
+        self.activation_bytes, self.activation_source = activation_profile.measure(self)
 
     # ---- caches --------------------------------------------------------------------------------
     def cache_specs(self) -> tuple[dict[str, KVCacheSpec], dict[str, StateSpec]]:
