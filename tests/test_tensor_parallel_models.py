@@ -16,6 +16,7 @@ from test_bamba import _build as bamba
 from test_jamba import _build as jamba
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
+from test_lfm2 import _build as lfm
 from test_qwen3_next import _build as qwen3_next
 from state_checks import check_speculative_rollback_exact
 from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
@@ -71,7 +72,8 @@ PARITY = {
     "mamba": (mamba, {}, 1e-4),
     "mamba2_g1": (mamba2, {"n_groups": 1, "chunk_size": 8}, 1e-4),  # the gated norm's group spans both ranks
     "bamba": (bamba, {}, 1e-4),  # two B/C groups: one per rank, the norm groups local
-    "qwen3_next": (qwen3_next, {}, 1e-3),
+    "qwen3_next": (qwen3_next, {}, 1e-3),  # gated attention ([q | gate] rows per head) split too
+    "lfm3": (lambda tmp_path, **kw: lfm("lfm3", tmp_path, **kw), {}, 1e-4),  # attention with a per-head gate
 }
 
 

@@ -29,19 +29,27 @@ def kv_head_share(num_heads: int, num_kv_heads: int, group: ParallelGroup) -> sl
 
 def split_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None:
     """Any attention block with qkv_proj (stacked q, k, v), o_proj, num_heads, num_kv_heads, head_dim, sizes and
-    an `attn` Attention."""
+    an `attn` Attention. The q part may carry more rows per head than head_dim, grouped per head (Qwen3-Next's
+    [q | gate] of 2 x head_dim)."""
     d = layer.head_dim
+    per_head = layer.sizes[0] // layer.num_heads  # q rows of one head
     heads = rank_share(layer.num_heads, group, "num_attention_heads")
     kv = kv_head_share(layer.num_heads, layer.num_kv_heads, group)
-    q_rows, kv_rows = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
-    column_parallel(layer.qkv_proj, [q_rows, kv_rows, kv_rows], list(layer.sizes))
-    layer.o_proj = row_parallel(layer.o_proj, group, q_rows)
+    kv_rows = slice(kv.start * d, kv.stop * d)
+    column_parallel(layer.qkv_proj, [slice(heads.start * per_head, heads.stop * per_head), kv_rows, kv_rows],
+                    list(layer.sizes))
+    layer.o_proj = row_parallel(layer.o_proj, group, slice(heads.start * d, heads.stop * d))
     layer.num_heads, layer.num_kv_heads = heads.stop - heads.start, kv.stop - kv.start
-    layer.sizes = [layer.num_heads * d, layer.num_kv_heads * d, layer.num_kv_heads * d]
+    layer.sizes = [layer.num_heads * per_head, layer.num_kv_heads * d, layer.num_kv_heads * d]
     layer.attn.num_heads, layer.attn.num_kv_heads = layer.num_heads, layer.num_kv_heads
 
 
-split_rule(DecoderAttention, QKVAttention)(split_qkv_attention)
+def split_lfm_attention(layer: nn.Module, group: ParallelGroup) -> None:
+    """LFM2/LFM3 attention: the qkv layout, plus LFM3's per-head sigmoid gate g_proj (one row per head)."""
+    heads = rank_share(layer.num_heads, group, "num_attention_heads")
+    split_qkv_attention(layer, group)
+    if layer.g_proj is not None:
+        column_parallel(layer.g_proj, [heads])
 
 
 def split_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
@@ -56,7 +64,13 @@ def _register_model_mlps() -> None:
     from stateserve.layers.moe import GatedMLPExpert
     from stateserve.models.bamba import BambaMLP  # same layout: gate_up_proj [gate; up], down_proj
 
+    from stateserve.models.lfm2 import LfmAttention
+    from stateserve.models.qwen3_next import Qwen3NextAttention
+
     split_rule(GatedMLP, BambaMLP, GatedMLPExpert)(split_gated_mlp)
+    # attention blocks of the qkv layout whose per-head norms (q_norm / k_norm over head_dim) need nothing more
+    split_rule(DecoderAttention, QKVAttention, Qwen3NextAttention)(split_qkv_attention)
+    split_rule(LfmAttention)(split_lfm_attention)
 
 
 _register_model_mlps()
