@@ -12,8 +12,10 @@ import pytest
 from stateserve import LLM, SamplingParams
 from stateserve.distributed.driver import RankFailedError
 from stateserve.distributed.sharding import TensorParallelError
+from test_bailing_hybrid import _build as bailing
 from test_bamba import _build as bamba
 from test_jamba import _build as jamba
+from test_kimi_linear import _build as kimi
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
 from test_lfm2 import _build as lfm
@@ -74,6 +76,8 @@ PARITY = {
     "bamba": (bamba, {}, 1e-4),  # two B/C groups: one per rank, the norm groups local
     "qwen3_next": (qwen3_next, {}, 1e-3),  # gated attention ([q | gate] rows per head) split too
     "lfm3": (lambda tmp_path, **kw: lfm("lfm3", tmp_path, **kw), {}, 1e-4),  # attention with a per-head gate
+    "kimi_linear": (kimi, {}, 1e-4),  # KDA and MLA (the latent cache whole on each rank), MoE
+    "bailing_hybrid": (bailing, {}, 1e-4),  # KDA with full-rank gates, MLA with rotary and a per-head gate
 }
 
 

@@ -24,7 +24,7 @@ logger = logging.getLogger("stateserve")
 _RULES: dict[type, Callable[[nn.Module, ParallelGroup], None]] = {}
 # modules of these files register their rules when imported (lazily, at the first split)
 _RULE_MODULES = ("stateserve.distributed.rules_attention", "stateserve.distributed.rules_recurrent",
-                 "stateserve.distributed.rules_moe")
+                 "stateserve.distributed.rules_moe", "stateserve.distributed.rules_latent")
 
 
 class TensorParallelError(ValueError):
