@@ -14,6 +14,8 @@ split, hold only those. The input projection is column-parallel part by part, th
 - GatedDeltaNet: key heads with their value heads (or, with fewer key heads than ranks, the key head the rank's
   value heads read, replicated); the projections' rows are picked by index, whatever the checkpoint layout
   (Qwen3-Next's rows grouped per key head, or flat). Its gated norm is per head: local.
+- ShortConv (LFM2 / LFM3): channels; in_proj's [B | C | u] parts column-parallel, the conv per channel, out_proj
+  row-parallel.
 The fused C++ decode paths of these layers take their projections through decode_projections(), which refuses a
 RowParallelLinear, so a split layer always runs op by op."""
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stateserve.distributed.sharding import (TensorParallelError, column_paralle
 from stateserve.layers.delta_rule import GatedDeltaNet
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.selective_scan import MambaMixer
+from stateserve.layers.short_conv import ShortConv
 from stateserve.layers.zamba_mamba import ZambaMambaMixer
 
 
@@ -224,3 +227,13 @@ split_rule(MambaMixer)(split_mamba_mixer)
 split_rule(ZambaMambaMixer)(split_zamba_mamba_mixer)
 split_rule(Mamba2Mixer)(split_mamba2_mixer)
 split_rule(GatedDeltaNet)(split_gated_delta_net)
+
+
+@split_rule(ShortConv)
+def split_short_conv(layer: ShortConv, group: ParallelGroup) -> None:
+    channels = layer.hidden_size  # the conv's width (the model's hidden size before the split)
+    share = rank_share(channels, group, "short conv channels (hidden_size)")
+    column_parallel(layer.in_proj, [share] * 3, [channels] * 3)
+    _split_conv(layer.conv1d, [channels], [share])
+    layer.out_proj = row_parallel(layer.out_proj, group, share)
+    layer.hidden_size = share.stop - share.start
