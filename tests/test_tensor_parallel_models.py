@@ -19,6 +19,7 @@ from test_kimi_linear import _build as kimi
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
 from test_lfm2 import _build as lfm
+from test_nemotron_h import _build as nemotron_h
 from test_qwen3_next import _build as qwen3_next
 from state_checks import check_speculative_rollback_exact
 from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
@@ -78,6 +79,9 @@ PARITY = {
     "lfm3": (lambda tmp_path, **kw: lfm("lfm3", tmp_path, **kw), {}, 1e-4),  # attention with a per-head gate
     "kimi_linear": (kimi, {}, 1e-4),  # KDA and MLA (the latent cache whole on each rank), MoE
     "bailing_hybrid": (bailing, {}, 1e-4),  # KDA with full-rank gates, MLA with rotary and a per-head gate
+    # NemotronH with every bias on (kept once on the split products) and its MoE with latent experts
+    "nemotron_h": (nemotron_h, {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "use_bias": True,
+                                "mlp_bias": True, "moe_latent_size": 16}, 1e-4),
 }
 
 

@@ -1,6 +1,6 @@
 """Tensor-parallel split rules of the moe layers (see distributed/sharding.py).
 
-SparseMoE (and its subclasses with their own routers: KimiMoE, Lfm2MoeBlock): every rank keeps every expert with
+SparseMoE (and its subclasses with their own routers: KimiMoE, Lfm2MoeBlock), and NemotronH's MoE (non-gated experts): every rank keeps every expert with
 its share of the expert's intermediate channels: gate_up rows (gate and up alike) and down columns. The router stays
 whole (every rank routes the same tokens the same way), so each rank's weighted sum over its experts is a partial
 sum of the layer's output. The shared expert is split the same way and its down projection kept local (no
@@ -14,18 +14,29 @@ import torch
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import column_parallel, rank_share, set_param, split_rule, take_rows
+from stateserve.distributed.sharding import column_parallel, rank_share, row_parallel, set_param, split_rule, take_rows
 from stateserve.layers.moe import SparseMoE
 
 
-def _local_columns(linear: nn.Linear, share: slice) -> nn.Linear:
-    """A plain linear of the input columns `share` (no bias: the partial products are summed by the caller)."""
-    if linear.bias is not None:
-        raise ValueError("a shared expert's down projection with a bias cannot be split")
+def _local_columns(linear: nn.Linear, share: slice, group: ParallelGroup) -> nn.Linear:
+    """A plain linear of the input columns `share`, whose partial products the caller sums over the ranks: its bias
+    (if any) stays on rank 0 only, so the sum adds it once."""
     weight = linear.weight.data[:, share].contiguous()
-    local = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    local = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None, device=weight.device,
+                      dtype=weight.dtype)
     local.weight = nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        bias = linear.bias.data if group.rank == 0 else torch.zeros_like(linear.bias.data)
+        local.bias = nn.Parameter(bias.clone(), requires_grad=False)
     return local
+
+
+def _sum_output_over_ranks(module: nn.Module, group: ParallelGroup) -> None:
+    """One all-reduce of the module's output: its ranks each computed a partial sum of it."""
+    def hook(mod: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return group.all_reduce(output.contiguous())
+
+    module.register_forward_hook(hook)
 
 
 def split_sparse_moe(moe: SparseMoE, group: ParallelGroup) -> None:
@@ -47,12 +58,46 @@ def split_sparse_moe(moe: SparseMoE, group: ParallelGroup) -> None:
         inter = shared.down_proj.in_features
         part = rank_share(inter, group, "shared expert intermediate_size")
         column_parallel(shared.gate_up_proj, [part, part], [inter, inter])
-        shared.down_proj = _local_columns(shared.down_proj, part)
-
-    def sum_over_ranks(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        return group.all_reduce(output.contiguous())
-
-    moe.register_forward_hook(sum_over_ranks)
+        shared.down_proj = _local_columns(shared.down_proj, part, group)
+    _sum_output_over_ranks(moe, group)
 
 
 split_rule(SparseMoE)(split_sparse_moe)
+
+
+def split_nemotron_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
+    """NemotronH's non-gated MLP: up_proj column-parallel, down_proj row-parallel."""
+    share = rank_share(mlp.up_proj.out_features, group, "NemotronH intermediate_size")
+    column_parallel(mlp.up_proj, [share])
+    mlp.down_proj = row_parallel(mlp.down_proj, group, share)
+
+
+def split_nemotron_moe(moe: nn.Module, group: ParallelGroup) -> None:
+    """NemotronH's MoE: each non-gated expert's intermediate split (up rows, down columns), the shared MLP too; the
+    router and the latent projections stay whole (the latent fc2 is linear, so it may take the partial sum: its
+    bias stays on rank 0); one all-reduce of the layer's output."""
+    if moe.expert_products is not None:
+        raise ValueError("tensor parallelism takes float expert matrices")
+    E, I, D = moe.num_experts, moe.intermediate, moe.expert_dim
+    share = rank_share(I, group, "NemotronH moe_intermediate_size")
+    li = share.stop - share.start
+    set_param(moe, "experts_up", take_rows(moe.experts_up.data, [I] * E, [share] * E), [li] * E)
+    set_param(moe, "experts_down", moe.experts_down.data[:, share], [D] * E)
+    moe.intermediate = li
+    shared = moe.shared_experts
+    part = rank_share(shared.up_proj.out_features, group, "NemotronH moe_shared_expert_intermediate_size")
+    column_parallel(shared.up_proj, [part])
+    shared.down_proj = _local_columns(shared.down_proj, part, group)
+    if isinstance(moe.fc2_latent_proj, nn.Linear) and moe.fc2_latent_proj.bias is not None and group.rank:
+        moe.fc2_latent_proj.bias.data.zero_()
+    _sum_output_over_ranks(moe, group)
+
+
+def _register_nemotron() -> None:
+    from stateserve.models.nemotron_h import NemotronHMLP, NemotronHMoE
+
+    split_rule(NemotronHMLP)(split_nemotron_mlp)
+    split_rule(NemotronHMoE)(split_nemotron_moe)
+
+
+_register_nemotron()
