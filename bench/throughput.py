@@ -28,6 +28,7 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 import machine_limits  # noqa: E402
 from common import KINDS, machine, model_folder, write_json  # noqa: E402
+from plot import plot  # noqa: E402
 
 PEERS = os.path.join(BENCH, "peers")
 ENGINES = ("stateserve", "transformers", "vllm", "llamacpp")
@@ -272,35 +273,6 @@ def format_table(rows: list[dict], engines: list[str]) -> str:
               if r.get("error")]
     unique = list(dict.fromkeys(errors))
     return "\n".join(lines + (["not measured or incomplete:"] + unique if unique else []))
-
-
-def plot(rows: list[dict], engines: list[str], workloads: list[str], path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not importable: no plot (pip install -e '.[bench]' for one)")
-        return False
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
-    for ax, name in zip(axes[0], workloads):
-        groups = list(dict.fromkeys((r["model"], r["dtype"]) for r in rows if r["workload"] == name))
-        width = 0.8 / len(engines)
-        for i, engine in enumerate(engines):
-            speeds = [next((r["tok_s"] or 0 for r in rows if (r["model"], r["dtype"]) == g and
-                            r["workload"] == name and r["engine"] == engine), 0) for g in groups]
-            ax.bar([g + i * width - 0.4 + width / 2 for g in range(len(groups))], speeds, width, label=engine)
-        ax.set_xticks(range(len(groups)), [f"{m}\n{d}" for m, d in groups])
-        ax.set_title(f"{name} ({'prompt' if name == 'prefill' else 'generated'} tok/s)")
-        ax.set_ylabel("tokens / s")
-        ax.grid(axis="y", alpha=0.3)
-    # One legend above the panels: inside a panel it can hide the top of a bar.
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(engines), frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
