@@ -10,7 +10,8 @@ import torch
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
 from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, hf_greedy, hf_logits, save_model)
-from state_checks import (check_preemption_exact, check_prefix_cache_exact, check_teacher_forced_logits, greedy_params,
+from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_exact,
+                          check_routing_decisive, check_teacher_forced_logits, greedy_params, make_routing_decisive,
                           small_llm)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
@@ -71,6 +72,18 @@ def test_teacher_forced_logits(case, tmp_path):
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token KDA chunk
     ref = hf_logits(hf, tokens)
     check_teacher_forced_logits(path, ref, tokens, atol=5e-4)
+
+
+def test_bfloat16_logits(tmp_path):
+    """One whole-prompt step, resumed 7-token steps and token by token (the decode conv, KDA recurrence and MLA)
+    beside transformers' bfloat16 (tolerance derived in check_bfloat16_logits), on the base model with its grouped
+    sigmoid routing made decisive (as built, bfloat16 flips a token's expert group: transformers' own logits then
+    off by up to 6.9)."""
+    hf, _ = _build(tmp_path)
+    make_routing_decisive(hf)
+    tokens = list(range(3, 80))
+    check_routing_decisive(hf, tokens)
+    check_bfloat16_logits(hf, save_model(hf, str(tmp_path / "decisive")), tokens, (77, 7, 1))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from stateserve.models.lfm2_moe import Lfm2MoeForCausalLM as OurLfm2Moe
 from stateserve.models.lfm3 import Lfm3ForCausalLM as OurLfm3
 from stateserve.models.loader import iterate_safetensors, load_weights
 from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_one_by_one,
-                          check_speculative_rollback_exact, check_teacher_forced_logits, greedy_params, small_llm)
+                          check_routing_decisive, check_speculative_rollback_exact, check_teacher_forced_logits,
+                          greedy_params, make_routing_decisive, small_llm)
 from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
 
@@ -106,12 +107,28 @@ def test_teacher_forced_logits(arch, built):
     check_teacher_forced_logits(path, ref, tokens, atol=2e-4)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "lfm3"])  # Lfm2-MoE: bfloat16 flips its near-tied expert choices
+@pytest.mark.parametrize("arch", ["lfm2", "lfm3"])  # Lfm2-MoE: test_bfloat16_logits_moe
 def test_bfloat16_logits(arch, built):
     """One whole-prompt step, resumed 7-token steps and token by token (the decode conv), beside transformers'
     bfloat16 (tolerance derived in check_bfloat16_logits)."""
     hf, path = built(arch)
     check_bfloat16_logits(hf, path, [(7 * i) % 290 + 3 for i in range(40)], (40, 7, 1))
+
+
+def test_bfloat16_logits_moe(tmp_path):
+    """Lfm2-MoE as test_bfloat16_logits, its routing made decisive first (random routers: bfloat16 flipped a token's
+    experts in two layers, transformers' own logits then off by up to 4.3): make_routing_decisive with a steeper
+    router (the sigmoid scores must clear the expert bias) and the built expert bias shrunk 4x (its 0.47 on one
+    expert still tied some tokens' 2nd and 3rd choices), margin checked."""
+    hf, _ = _build("lfm2_moe", tmp_path)
+    make_routing_decisive(hf, "feed_forward.gate", scale=8.0)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                b.mul_(0.25)
+    tokens = [(7 * i) % 290 + 3 for i in range(40)]
+    check_routing_decisive(hf, tokens, "feed_forward.gate")
+    check_bfloat16_logits(hf, save_model(hf, str(tmp_path / "decisive")), tokens, (40, 7, 1))
 
 
 def _toks(n: int, seed: int) -> list[int]:

@@ -10,7 +10,8 @@ from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
 from stateserve.layers.lightning import chunk_lightning, lightning_slopes
 from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, hf_greedy, hf_logits, save_model)
-from state_checks import (check_preemption_exact, check_prefix_cache_exact, check_teacher_forced_logits, greedy_params,
+from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_exact,
+                          check_routing_decisive, check_teacher_forced_logits, greedy_params, make_routing_decisive,
                           small_llm)
 # transformers' lightning block_size 16: its prefill crosses blocks (ours uses chunks of 64)
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -88,6 +89,19 @@ def test_teacher_forced_logits(case, tmp_path):
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token chunk, several of transformers' 16-token blocks
     ref = hf_logits(hf, tokens)
     check_teacher_forced_logits(path, ref, tokens, atol=5e-4)
+
+
+def test_bfloat16_logits(tmp_path):
+    """One whole-prompt step, resumed 7-token steps and token by token (the decode recurrence) beside transformers'
+    bfloat16 (tolerance derived in check_bfloat16_logits), on the base model with its routing made decisive (random
+    routers: bfloat16 flipped 2-4 of 77 tokens' experts per layer, transformers' own logits then off by up to 9) and
+    initializer_range 0.1 (at 0.15 both bfloat16 results are ~0.06 mean from float32 math, the mean bound's edge;
+    transformers keeps the lightning state in bfloat16, we in float32)."""
+    hf, _ = _build(tmp_path, initializer_range=0.1)
+    make_routing_decisive(hf)
+    tokens = list(range(3, 80))
+    check_routing_decisive(hf, tokens)
+    check_bfloat16_logits(hf, save_model(hf, str(tmp_path / "decisive")), tokens, (77, 7, 1))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5MoeForCausal
                           Qwen3_5TextConfig)
 
 from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_one_by_one,
-                          greedy_params, small_llm)
+                          check_routing_decisive, greedy_params, make_routing_decisive, small_llm)
 from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
 
@@ -102,6 +102,16 @@ def test_bfloat16_logits(built):
     conv and recurrence) beside transformers' bfloat16 (tolerance derived in check_bfloat16_logits)."""
     hf, path = built("dense")
     check_bfloat16_logits(hf, path, list(range(3, 80)), (77, 7, 1))
+
+
+def test_bfloat16_logits_moe(tmp_path):
+    """Qwen3_5MoeForCausalLM as test_bfloat16_logits, its routing made decisive first (make_routing_decisive,
+    margin checked) and initializer_range 0.1 (at 0.15 the largest error reaches the 0.5 bound on both sides)."""
+    hf, _ = _build(tmp_path, "moe", initializer_range=0.1)
+    make_routing_decisive(hf)
+    tokens = list(range(3, 80))
+    check_routing_decisive(hf, tokens)
+    check_bfloat16_logits(hf, save_model(hf, str(tmp_path / "decisive")), tokens, (77, 7, 1))
 
 
 def test_language_model_prefix_is_accepted(tmp_path):

@@ -20,8 +20,9 @@ from stateserve.core.request import Request
 from stateserve.layers.rg_lru import linear_scan
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.recurrent_gemma import RecurrentGemmaForCausalLM as Ours
-from state_checks import (check_preemption_exact, check_prefix_cache_one_by_one, check_speculative_rollback_exact,
-                          check_teacher_forced_logits, greedy_params, scored, small_llm, tokens_and_logprobs)
+from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_one_by_one,
+                          check_speculative_rollback_exact, check_teacher_forced_logits, greedy_params, scored,
+                          small_llm, tokens_and_logprobs)
 from utils import assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits, save_model
 
 # r, r, a, r: two recurrent blocks between attention ones; GQA 4/2 heads of 8 with partial rotary (0.5); a 6-token
@@ -94,6 +95,13 @@ def test_teacher_forced_logits(built):
     tokens = [(7 * i) % 290 + 3 for i in range(40)]  # far past the 6-token window
     ref = hf_logits(hf, tokens)
     check_teacher_forced_logits(path, ref, tokens, atol=2e-4)
+
+
+def test_bfloat16_logits(built):
+    """One whole-prompt step, resumed 7-token steps and token by token (the decode conv, RG-LRU step and the 6-token
+    window) beside transformers' bfloat16 (tolerance derived in check_bfloat16_logits)."""
+    hf, path = built
+    check_bfloat16_logits(hf, path, [(7 * i) % 290 + 3 for i in range(40)], (40, 7, 1))
 
 
 def test_wider_lru_teacher_forced_logits(tmp_path):

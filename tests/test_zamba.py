@@ -14,7 +14,8 @@ from transformers import ZambaConfig, ZambaForCausalLM
 
 from stateserve.models.loader import iterate_safetensors, load_weights
 from stateserve.models.zamba import ZambaForCausalLM as Ours
-from state_checks import check_preemption_exact, check_prefix_cache_one_by_one, greedy_params, small_llm
+from state_checks import (check_bfloat16_logits, check_preemption_exact, check_prefix_cache_one_by_one, greedy_params,
+                          small_llm)
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
                    save_model)
 
@@ -84,6 +85,14 @@ def test_teacher_forced_logits(case, built):
     with small_llm(path) as llm:
         for chunk in chunks:
             torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=5e-4, rtol=1e-4)
+
+
+def test_bfloat16_logits(built):
+    """One whole-prompt step, resumed 7-token steps and token by token (the decode conv and selective scan of the
+    multi-head Mamba1 mixer, the shared attention block) beside transformers' bfloat16 (tolerance derived in
+    check_bfloat16_logits)."""
+    hf, path = built()
+    check_bfloat16_logits(hf, path, [(7 * i) % 290 + 3 for i in range(50)], (50, 7, 1))
 
 
 @pytest.mark.parametrize("mode", ["all", "align"])
