@@ -18,9 +18,8 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
-from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds,
-                                         zero_fresh_slots)
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
+                                         mixed_step, zero_fresh_slots)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -206,27 +205,22 @@ class GatedDeltaNet(StatefulLayer):
         conv_state, ssm_state = self.states["conv"], self.states["ssm"]
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
-        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
-            core.index_copy_(0, rows, self._decode(mixed[rows], b[rows], a[rows], round_meta))
-        rounds = set(meta.decode_rounds)
-        for i, start, length, slot, has_init in sequence_chunks(meta):
-            if length == 0 or i in rounds:
-                continue
-            snaps = checkpoints_of(meta, i)
-            y, padded = causal_conv1d_prefill(mixed[start:start + length], weight, None,
-                                              conv_state[slot] if has_init else None)
-            q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b[start:start + length],
-                                               a[start:start + length])
-            init = ssm_state[slot] if has_init else ssm_state.new_zeros(ssm_state.shape[1:])
+        chunks = mixed_step(meta, core, lambda rows, m, seqs: self._decode(mixed[rows], b[rows], a[rows], m),
+                            group_decodes=False)  # a one-token chunk of a mixed step takes the chunked rule too
+        for c in chunks:
+            y, padded = causal_conv1d_prefill(mixed[c.rows], weight, None,
+                                              conv_state[c.slot] if c.has_initial else None)
+            q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b[c.rows], a[c.rows])
+            init = ssm_state[c.slot] if c.has_initial else ssm_state.new_zeros(ssm_state.shape[1:])
             out, final, states_at = chunk_gated_delta_rule(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), init.float(),
-                self.chunk_size, tuple(off for off, _ in snaps))
-            core[start:start + length] = out.transpose(0, 1)
-            for off, dst in snaps:  # prefix-cache snapshots, taken before the live slot moves on
+                self.chunk_size, tuple(off for off, _ in c.snapshots))
+            core[c.rows] = out.transpose(0, 1)
+            for off, dst in c.snapshots:  # prefix-cache snapshots, taken before the live slot moves on
                 conv_state[dst] = conv_state_at(padded, off, self.kernel).to(conv_state.dtype)
                 ssm_state[dst] = states_at[off]
-            conv_state[slot] = conv_state_at(padded, length, self.kernel).to(conv_state.dtype)
-            ssm_state[slot] = final
+            conv_state[c.slot] = conv_state_at(padded, c.length, self.kernel).to(conv_state.dtype)
+            ssm_state[c.slot] = final
         return core
 
     def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta: StateMetadata) -> torch.Tensor:

@@ -20,8 +20,7 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
-from stateserve.layers.recurrent import (StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds,
-                                         zero_fresh_slots)
+from stateserve.layers.recurrent import StatefulLayer, mixed_step, zero_fresh_slots
 
 
 def lightning_slopes(num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
@@ -103,22 +102,17 @@ class LightningAttention(StatefulLayer):
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         kv = self.states["kv"]
         core = torch.empty_like(v)
-        for rows, round_meta in verify_rounds(meta):  # drafts being verified: token by token, as plain decoding
-            core.index_copy_(0, rows, self._decode(q[rows], k[rows], v[rows], round_meta))
-        rounds = set(meta.decode_rounds)
-        for i, start, length, slot, has_init in sequence_chunks(meta):
-            if length == 0 or i in rounds:
-                continue
-            end = start + length
-            snaps = checkpoints_of(meta, i)
-            init = kv[slot] if has_init else kv.new_zeros(kv.shape[1:])
+        chunks = mixed_step(meta, core, lambda rows, m, seqs: self._decode(q[rows], k[rows], v[rows], m),
+                            group_decodes=False)  # a one-token chunk of a mixed step takes the chunked rule too
+        for c in chunks:
+            init = kv[c.slot] if c.has_initial else kv.new_zeros(kv.shape[1:])
             out, final, states_at = chunk_lightning(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                self.slopes, init, self.chunk_size, tuple(off for off, _ in snaps))
-            core[start:end] = out.transpose(0, 1)
-            for off, dst in snaps:  # prefix-cache snapshots, taken before the live slot moves on
+                q[c.rows].transpose(0, 1), k[c.rows].transpose(0, 1), v[c.rows].transpose(0, 1),
+                self.slopes, init, self.chunk_size, tuple(off for off, _ in c.snapshots))
+            core[c.rows] = out.transpose(0, 1)
+            for off, dst in c.snapshots:  # prefix-cache snapshots, taken before the live slot moves on
                 kv[dst] = states_at[off]
-            kv[slot] = final
+            kv[c.slot] = final
         return core
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StateMetadata) -> torch.Tensor:

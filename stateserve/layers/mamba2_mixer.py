@@ -35,9 +35,8 @@ from stateserve.platform import kernels
 from stateserve.layers.linear import FewRowCall, decode_projections
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.param_cache import derived_from_module, float32_copy
-from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds,
-                                         zero_fresh_slots)
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
+                                         mixed_step, verify_rounds, zero_fresh_slots)
 from stateserve.layers.ssd import ssd_chunk_scan, ssd_decode_step
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu, "identity": lambda t: t}
@@ -206,39 +205,28 @@ class Mamba2Mixer(StatefulLayer):
         """A mixed step. Sequences continuing by one token go through the batched decode update (the arithmetic
         of a decode-only step, so results do not depend on what else is batched); each other sequence's chunk
         runs the conv resuming from its conv state, then the SSD scan. -> [T, H, P]"""
-        rounds = set(meta.decode_rounds)
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
         out = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
-        if decode:
-            rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=xbc.device)
-            out.index_copy_(0, rows, self._decode(xbc[rows], dt[rows], A, meta, decode))
-        self._verify_rounds(xbc, dt, A, meta, out)
-        if len(decode) + len(rounds) == len(meta.query_lens):
+        chunks = mixed_step(meta, out, lambda rows, m, seqs: self._decode(xbc[rows], dt[rows], A, m, seqs),
+                            run_rounds=lambda: self._verify_rounds(xbc, dt, A, meta, out))
+        if not chunks:
             return out
         conv_states, ssm_states = self.states["conv"], self.states["ssm"]
         weight, bias = self._conv_weight(), self.conv1d.bias
         dt = self._step_sizes(dt, clamp=True)
-        skip = set(decode) | rounds
-        for i, start, qlen, slot, has_initial in sequence_chunks(meta):
-            if qlen == 0 or i in skip:
-                continue
-            end = start + qlen
-            snapshots = checkpoints_of(meta, i)
-            if any(not 0 < off <= qlen for off, _ in snapshots):
-                raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of "
-                                 f"{qlen} tokens")
+        for c in chunks:
+            slot, has_initial, snapshots = c.slot, c.has_initial, c.snapshots
             fuse_silu = self.act is F.silu  # conv + silu + float32 for the scan in one pass
-            conv_out, padded = causal_conv1d_prefill(xbc[start:end], weight, bias,
+            conv_out, padded = causal_conv1d_prefill(xbc[c.rows], weight, bias,
                                                      conv_states[slot] if has_initial else None, fuse_silu)
             x, B, C = self._split_xbc(conv_out if fuse_silu else self.act(conv_out))
-            out[start:end], state_after = self._scan(x, dt[start:end], A, B, C,
-                                                     ssm_states[slot].float() if has_initial else None,
-                                                     sorted({off for off, _ in snapshots} | {qlen}))
+            out[c.rows], state_after = self._scan(x, dt[c.rows], A, B, C,
+                                                  ssm_states[slot].float() if has_initial else None,
+                                                  sorted({off for off, _ in snapshots} | {c.length}))
             for off, dst in snapshots:
                 conv_states[dst].copy_(conv_state_at(padded, off, self.conv_kernel))
                 ssm_states[dst].copy_(state_after[off])
-            conv_states[slot].copy_(conv_state_at(padded, qlen, self.conv_kernel))
-            ssm_states[slot].copy_(state_after[qlen])
+            conv_states[slot].copy_(conv_state_at(padded, c.length, self.conv_kernel))
+            ssm_states[slot].copy_(state_after[c.length])
         return out
 
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

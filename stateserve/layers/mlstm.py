@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
-from stateserve.layers.recurrent import (StatefulLayer, checkpoints_of, sequence_chunks, verify_rounds,
-                                         zero_fresh_slots)
+from stateserve.layers.recurrent import StatefulLayer, mixed_step, zero_fresh_slots
 
 _SUB = 64  # parallel-form sub-chunk: [H, 64, 64] weights at a time
 
@@ -88,22 +87,12 @@ class MLSTMCell(StatefulLayer):
 
     # ---- prefill chunks (and the decodes sharing their step) ----------------------------------------
     def _mixed(self, q, k, v, i, log_f, meta: StateMetadata) -> torch.Tensor:
-        rounds = set(meta.decode_rounds)
-        decode = [s for s, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[s] and s not in rounds]
         out = q.new_empty(q.shape[0], self.num_heads, self.dv)
-        if decode:
-            rows = torch.tensor([meta.query_start_loc[s] for s in decode], device=q.device)
-            out.index_copy_(0, rows, self._decode(q[rows], k[rows], v[rows], i[rows], log_f[rows], meta, decode))
-        for rows, round_meta in verify_rounds(meta):
-            out.index_copy_(0, rows, self._decode(q[rows], k[rows], v[rows], i[rows], log_f[rows], round_meta))
-        skip = set(decode) | rounds
+        chunks = mixed_step(meta, out, lambda rows, m, seqs: self._decode(q[rows], k[rows], v[rows], i[rows],
+                                                                           log_f[rows], m, seqs))
         C_all, n_all, m_all = self.states["C"], self.states["n"], self.states["m"]
-        for s, start, qlen, slot, has_initial in sequence_chunks(meta):
-            if qlen == 0 or s in skip:
-                continue
-            snapshots = dict((off, dst) for off, dst in checkpoints_of(meta, s))
-            if any(not 0 < off <= qlen for off in snapshots):
-                raise ValueError(f"state checkpoint offsets {sorted(snapshots)} outside the chunk of {qlen} tokens")
+        for c in chunks:
+            start, qlen, slot, has_initial, snapshots = c.start, c.length, c.slot, c.has_initial, dict(c.snapshots)
             H = self.num_heads
             if has_initial:
                 state = (C_all[slot].clone(), n_all[slot].clone(), m_all[slot].clone())

@@ -6,7 +6,7 @@ Conv state keeps the last K-1 inputs of the sequence, oldest first: [num_slots, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -177,3 +177,58 @@ def verify_rounds(meta: StateMetadata) -> list[tuple[torch.Tensor, StateMetadata
             checkpoints=checkpoints)))
     meta.round_plan = plan
     return plan
+
+
+def decode_group(meta: StateMetadata) -> list[int]:
+    """Sequences of a mixed step that continue by one token (not verifying drafts): they take the batched decode
+    update together, the arithmetic of a decode-only step, so a token's result does not depend on its step-mates."""
+    rounds = set(meta.decode_rounds)
+    return [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's chunk that a mixed step leaves to the layer's own prefill."""
+    index: int  # the sequence's index in the step
+    start: int  # its first row in the flat batch
+    length: int
+    slot: int
+    has_initial: bool  # False: its first chunk, starting from zeros
+    snapshots: list[tuple[int, int]]  # (tokens into the chunk, destination slot), 0 < offset <= length
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+
+DecodeRows = Callable[[torch.Tensor, StateMetadata, "list[int] | None"], torch.Tensor]
+
+
+def mixed_step(meta: StateMetadata, out: torch.Tensor, decode: DecodeRows, *, group_decodes: bool = True,
+               run_rounds: Callable[[], None] | None = None) -> list[PrefillChunk]:
+    """The part of a step with prefill chunks that every recurrent layer runs alike. `decode(rows, meta, seqs)`
+    runs the layer's batched one-token update on the flat batch's `rows` (seqs: their sequence indices in `meta`,
+    None for all of meta's) and returns their outputs, which land in `out`'s rows:
+    - the decode group (decode_group; group_decodes=False leaves them to the prefill chunks),
+    - drafts being verified, round by round (verify_rounds; run_rounds: the layer's own runner of the rounds);
+    then returns every other non-empty chunk with its validated snapshot checkpoints, for the layer's prefill."""
+    group = decode_group(meta) if group_decodes else []
+    if group:
+        rows = torch.tensor([meta.query_start_loc[i] for i in group], device=out.device)
+        out.index_copy_(0, rows, decode(rows, meta, group).to(out.dtype))
+    if run_rounds is not None:
+        run_rounds()
+    else:
+        for rows, round_meta in verify_rounds(meta):  # token by token, as plain decoding
+            out.index_copy_(0, rows, decode(rows, round_meta, None).to(out.dtype))
+    skip = set(group) | set(meta.decode_rounds)
+    chunks = []
+    for i, start, length, slot, has_initial in sequence_chunks(meta):
+        if length == 0 or i in skip:
+            continue
+        snapshots = checkpoints_of(meta, i)
+        if any(not 0 < off <= length for off, _ in snapshots):
+            raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of {length} "
+                             "tokens")
+        chunks.append(PrefillChunk(i, start, length, slot, has_initial, snapshots))
+    return chunks

@@ -19,8 +19,8 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
-from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds, zero_fresh_slots)
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
+                                         mixed_step, zero_fresh_slots)
 
 
 def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
@@ -100,38 +100,24 @@ class RGLRUBlock(StatefulLayer):
         """Sequences continuing by one token take the batched decode update together (the arithmetic of a
         decode-only step, so a token's result does not depend on its step-mates); drafts being verified go round
         by round through it; every other chunk is a prefill conv plus one scan. ux: [T, W] -> [T, W]"""
-        rounds = set(meta.decode_rounds)
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
         out = torch.empty_like(ux)
-        if decode:
-            rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=ux.device)
-            out.index_copy_(0, rows, self._decode(ux[rows], meta, decode))
-        for rows, round_meta in verify_rounds(meta):
-            out.index_copy_(0, rows, self._decode(ux[rows], round_meta))
-        skip = set(decode) | rounds
+        chunks = mixed_step(meta, out, lambda rows, m, seqs: self._decode(ux[rows], m, seqs))
         conv_states, lru_states = self.states["conv"], self.states["lru"]
         weight, bias = self._weight(), self.conv1d.bias
-        for i, start, qlen, slot, has_initial in sequence_chunks(meta):
-            if qlen == 0 or i in skip:
-                continue
-            end = start + qlen
-            snapshots = checkpoints_of(meta, i)
-            if any(not 0 < off <= qlen for off, _ in snapshots):
-                raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of "
-                                 f"{qlen} tokens")
-            u, inputs = causal_conv1d_prefill(ux[start:end], weight, bias,
-                                              conv_states[slot] if has_initial else None)
-            first = torch.zeros(qlen, dtype=torch.bool, device=ux.device)
-            first[0] = not has_initial
+        for c in chunks:
+            u, inputs = causal_conv1d_prefill(ux[c.rows], weight, bias,
+                                              conv_states[c.slot] if c.has_initial else None)
+            first = torch.zeros(c.length, dtype=torch.bool, device=ux.device)
+            first[0] = not c.has_initial
             a, b = self._gates(u, first)
-            h = linear_scan(a, b, lru_states[slot] if has_initial else None)  # [L, W] float32
-            out[start:end] = h.to(ux.dtype)
+            h = linear_scan(a, b, lru_states[c.slot] if c.has_initial else None)  # [L, W] float32
+            out[c.rows] = h.to(ux.dtype)
             # snapshots first: `inputs.history` may be a view of the live slot, which the last copy overwrites
-            for off, dst in snapshots:
+            for off, dst in c.snapshots:
                 conv_states[dst].copy_(conv_state_at(inputs, off, self.kernel_size))
                 lru_states[dst].copy_(h[off - 1])
-            conv_states[slot].copy_(conv_state_at(inputs, qlen, self.kernel_size))
-            lru_states[slot].copy_(h[-1])
+            conv_states[c.slot].copy_(conv_state_at(inputs, c.length, self.kernel_size))
+            lru_states[c.slot].copy_(h[-1])
         return out
 
     # ---- one token per sequence -----------------------------------------------------------------

@@ -25,7 +25,7 @@ from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.param_cache import derived_from_module, dtype_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, verify_rounds)
+                                         conv_state_at, decode_group, verify_rounds)
 
 # Elements of one [Q, D, N] float32 scan temporary; the scan chunk Q is chosen to stay under it.
 SCAN_BUDGET_ELEMENTS = 1 << 23
@@ -231,7 +231,7 @@ class MambaMixer(StatefulLayer):
             return self.out_proj(self._decode(u, z, meta, list(range(len(meta.query_lens)))))
         # A sequence continuing by one token takes transformers' decode arithmetic, batched with the others.
         rounds = set(meta.decode_rounds)
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
+        decode = decode_group(meta)
         prefill = sorted(set(range(len(meta.query_lens))) - set(decode) - rounds)
         slot_of = meta.slots.tolist()  # one host copy for the per-sequence loop
         if not decode and not rounds and len(prefill) == 1:  # one prompt chunk fills the step: its output is the step's

@@ -15,9 +15,8 @@ from torch import nn
 
 from stateserve.cache.spec import StateSpec
 from stateserve.layers.metadata import StateMetadata
-from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, checkpoints_of,
-                                         conv_state_at, sequence_chunks, verify_rounds,
-                                         zero_fresh_slots)
+from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
+                                         mixed_step, zero_fresh_slots)
 
 
 class ShortConv(StatefulLayer):
@@ -61,30 +60,16 @@ class ShortConv(StatefulLayer):
         (the arithmetic of a decode-only step, so a token's result does not depend on what shares its step); drafts
         being verified go round by round through it; each other chunk is one prefill conv resuming from its state.
         bu: [T, hidden] -> [T, hidden]"""
-        rounds = set(meta.decode_rounds)
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1 and meta.has_initial_state[i] and i not in rounds]
         out = torch.empty_like(bu)
-        if decode:
-            rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=bu.device)
-            out.index_copy_(0, rows, self._decode(bu[rows], meta, decode))
-        for rows, round_meta in verify_rounds(meta):
-            out.index_copy_(0, rows, self._decode(bu[rows], round_meta))
-        skip = set(decode) | rounds
+        chunks = mixed_step(meta, out, lambda rows, m, seqs: self._decode(bu[rows], m, seqs))
         conv_states, weight, bias = self.states["conv"], self._weight(), self.conv1d.bias
-        for i, start, qlen, slot, has_initial in sequence_chunks(meta):
-            if qlen == 0 or i in skip:
-                continue
-            end = start + qlen
-            snapshots = checkpoints_of(meta, i)
-            if any(not 0 < off <= qlen for off, _ in snapshots):
-                raise ValueError(f"state checkpoint offsets {[o for o, _ in snapshots]} outside the chunk of "
-                                 f"{qlen} tokens")
-            out[start:end], inputs = causal_conv1d_prefill(bu[start:end], weight, bias,
-                                                           conv_states[slot] if has_initial else None)
+        for c in chunks:
+            out[c.rows], inputs = causal_conv1d_prefill(bu[c.rows], weight, bias,
+                                                        conv_states[c.slot] if c.has_initial else None)
             # snapshots first: `inputs.history` may be a view of the live slot, which the last copy overwrites
-            for off, dst in snapshots:
+            for off, dst in c.snapshots:
                 conv_states[dst].copy_(conv_state_at(inputs, off, self.kernel_size))
-            conv_states[slot].copy_(conv_state_at(inputs, qlen, self.kernel_size))
+            conv_states[c.slot].copy_(conv_state_at(inputs, c.length, self.kernel_size))
         return out
 
     def _decode(self, bu: torch.Tensor, meta: StateMetadata, seqs: list[int] | None = None) -> torch.Tensor:
