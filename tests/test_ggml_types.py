@@ -214,7 +214,49 @@ def _q4_k_inputs(rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def test_quantize_q4_k_matches_llama_cpp(clib):
+@pytest.fixture(params=["kernel", "pytorch"])
+def q4_k_path(request):
+    """quantize_q4_k through each of its paths: the C++ kernel (csrc/quant_q4k_quantize.cpp; skipped where the
+    kernels did not build, which tests/test_kernel_build.py catches) and the PyTorch fallback (a table without
+    kernels). Both must be llama.cpp's bytes: neither may drift from the C on its own."""
+    from stateserve.platform import cpu_kernels, kernels
+
+    if request.param == "pytorch":
+        with kernels.using(kernels.build(None)):
+            assert kernels.table().quantize_q4_k(torch.float32) is None
+            yield request.param
+        return
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    assert kernels.table().quantize_q4_k(torch.float32) is module.q4_k_quantize
+    yield request.param
+
+
+def test_quantize_q4_k_takes_the_kernel_of_the_table():
+    """quantize_q4_k calls the table's kernel with the float32 rows and returns its fields as they are; a table
+    without one runs the PyTorch code."""
+    import dataclasses
+
+    from stateserve.platform import kernels
+
+    calls = []
+
+    def spy(x):
+        calls.append(x)
+        return [torch.zeros(1)] * 5
+
+    w = torch.randn(2, 512, dtype=torch.bfloat16)
+    table = kernels.build(None)
+    with kernels.using(dataclasses.replace(table, quantize_q4_k=kernels.Op("q", {torch.float32: spy}))):
+        out = q4.quantize_q4_k(w)
+    assert len(calls) == 1 and calls[0].dtype == torch.float32 and torch.equal(calls[0], w.float())
+    assert isinstance(out, tuple) and len(out) == 5
+    with kernels.using(table):
+        assert q4.quantize_q4_k(w)[0].shape == (2, 512) and len(calls) == 1
+
+
+def test_quantize_q4_k_matches_llama_cpp(clib, q4_k_path):
     x = _q4_k_inputs(np.random.default_rng(13))
     fields = q4.quantize_q4_k(torch.from_numpy(x))
     codes, d, dmin, sc, mn = fields
@@ -237,12 +279,72 @@ def test_quantize_q4_k_matches_llama_cpp(clib):
                               ggml_reference.quantize(clib, w.float().numpy(), "Q4_K")), dtype
 
 
-def test_quantize_q4_k_random_rows_match_llama_cpp(clib):
+def test_quantize_q4_k_random_rows_match_llama_cpp(clib, q4_k_path):
     rng = np.random.default_rng(17)
     x = (rng.standard_normal((64, 2048)) * rng.uniform(0.001, 1, (64, 1))).astype(np.float32)
     x += (rng.random(x.shape) < 0.01) * rng.standard_normal(x.shape).astype(np.float32) * 20
     assert np.array_equal(q4.pack_q4_k(*q4.quantize_q4_k(torch.from_numpy(x))).numpy(),
                           ggml_reference.quantize(clib, x, "Q4_K"))
+
+
+def _q4_k_extreme_inputs(rng: np.random.Generator) -> np.ndarray:
+    """Rows of 768 (3 super-blocks: an odd count per row and in all, so the kernel's last group of lanes is part
+    empty) at the edges of float32: magnitudes up to the largest float (sums overflow to inf, inf - inf = NaN),
+    spread over 80 decades within a sub-block, subnormals, inf and NaN (also as a sub-block's first value, which C's
+    min/max keep), all-zero, -0.0 and constant sub-blocks, positive-only and negative-only sub-blocks, one outlier in
+    a sub-block of tiny values, and the integer grids whose codes land on exact halves."""
+    k = 768
+    n = rng.standard_normal
+    x = (n((21, k)) * 10.0 ** rng.integers(-4, 4, (21, 1))).astype(np.float32)
+    with np.errstate(over="ignore"):
+        x[0] = (n(k) * 10.0 ** rng.uniform(30, 38.5, k)).astype(np.float32)  # some overflow to inf here
+    x[1] = (n(k) * 10.0 ** rng.uniform(-45, 38, k)).astype(np.float32)
+    x[2] = (n(k) * 1e-40).astype(np.float32)  # subnormal
+    x[3, ::37], x[3, 5::41] = np.inf, -np.inf
+    x[4, ::53] = np.nan
+    x[5] = np.float32(3.4e38) * np.sign(n(k)).astype(np.float32)
+    sub = x[6:12].reshape(6, k // 32, 32)  # sub-block by sub-block
+    sub[0, 0::4], sub[0, 1::4], sub[0, 2::4] = 0, -0.0, 7.25  # zero, -0.0 and constant sub-blocks beside others
+    sub[0, 3::8] = -2.5  # a negative constant: max == min, C's early return
+    sub[1] = rng.uniform(0.5, 2, sub[1].shape)  # positive only: C's min is clamped to 0
+    sub[2] = -rng.uniform(0.5, 2, sub[2].shape)  # negative only
+    sub[3] = n(sub[3].shape) * 10.0 ** rng.integers(-20, 20, (k // 32, 1))  # ragged: each sub-block its own scale
+    sub[4] = n(sub[4].shape) * 1e-6
+    sub[4, np.arange(k // 32), rng.integers(0, 32, k // 32)] = 1e3  # one outlier in each
+    sub[5] = rng.integers(-8, 8, sub[5].shape) * 0.5
+    x[12] = np.float32(2 ** -149) * rng.integers(-3, 4, k)  # the smallest subnormals: 63 / max_min overflows
+    x[13] = np.where(rng.random(k) < 0.5, 65504.0 * 63, 1e-3).astype(np.float32)  # float16 d at its largest
+    x[14] = n(k) * 1e-9
+    return x
+
+
+def test_quantize_q4_k_extremes_match_llama_cpp(clib, q4_k_path):
+    x = _q4_k_extreme_inputs(np.random.default_rng(29))
+    fields = q4.quantize_q4_k(torch.from_numpy(x))
+    ours, ref = q4.pack_q4_k(*fields).numpy(), ggml_reference.quantize(clib, x, "Q4_K")
+    bad = np.nonzero((ours != ref).reshape(x.shape[0], -1, 144).any(-1))
+    assert not bad[0].size, f"{bad[0].size} super-blocks differ, first (row, block) {bad[0][0], bad[1][0]}"
+    t = torch.from_numpy(x)
+    for w in (t[:1, :256], t[:2, :512], t[3:9, 256:]):  # one super-block, two, a non-contiguous slice
+        assert np.array_equal(q4.pack_q4_k(*q4.quantize_q4_k(w)).numpy(),
+                              ggml_reference.quantize(clib, np.ascontiguousarray(w.numpy()), "Q4_K")), tuple(w.shape)
+
+
+def test_quantize_q4_k_kernel_and_fallback_agree_on_a_large_weight():
+    """A weight of many groups of lanes and parallel chunks (and one in bfloat16, taken as float32): the kernel's
+    fields are the fallback's, field by field (each path is also checked against the C above)."""
+    from stateserve.platform import cpu_kernels, kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    rng = np.random.default_rng(31)
+    x = torch.from_numpy((rng.standard_normal((96, 2304)) * rng.uniform(1e-4, 3, (96, 1))).astype(np.float32))
+    for w in (x, x.to(torch.bfloat16)):
+        mine = q4.quantize_q4_k(w)
+        with kernels.using(kernels.build(None)):
+            theirs = q4.quantize_q4_k(w)
+        for name, a, b in zip(("codes", "d", "dmin", "sc", "mn"), mine, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
 
 
 def test_quantize_q4_0_matches_llama_cpp(clib):

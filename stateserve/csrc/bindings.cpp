@@ -82,6 +82,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(quantize_activations) or float activations times the dequantized weights",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("N"), py::arg("K"),
         py::arg("quantize_activations") = true, nogil);
+  m.def("q4_k_quantize", &q4_k_quantize,
+        "float32 w [N, K] (K a multiple of 256) -> [codes uint8 [N, K], d float16 [N, K/256], dmin float16 [N, K/256], "
+        "sc uint8 [N, K/32], mn uint8 [N, K/32]]: llama.cpp's quantize_row_q4_K_ref bit for bit",
+        py::arg("w"), nogil);
   m.def("q6_k_pack", &q6_k_pack,
         "Q6_K weight fields into q6_k_linear's panels: codes uint8 [N, K] (0..63), sc int8 [N, K/16], d float16 "
         "[N, K/256] (w = d * sc * (codes - 32))",

@@ -56,6 +56,10 @@ q4_unpack(at::Tensor packed, int64_t N, int64_t K);  // (format, codes, d, m, sc
 at::Tensor q4_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N, int64_t K,
                         bool quantize_activations);
 
+// ---- Q4_K quantization at load (quant_q4k_quantize.cpp): llama.cpp's quantize_row_q4_K_ref bit for bit;
+// w float32 [N, K] -> [codes, d, dmin, sc, mn] as quantization/q4.py's quantize_q4_k
+std::vector<at::Tensor> q4_k_quantize(at::Tensor w);
+
 // ---- Q6_K weights (quant_q6k_linear.cpp; the tiles in quant_q6k_a8.cpp and quant_q6k_exact.cpp)
 at::Tensor q6_k_pack(at::Tensor codes, at::Tensor sc, at::Tensor d);
 std::vector<at::Tensor> q6_k_unpack(at::Tensor packed, int64_t N, int64_t K);  // (codes, sc, d)

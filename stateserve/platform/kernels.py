@@ -117,6 +117,8 @@ class KernelTable:
     mamba1_decode: Op
     mamba2_mixer_decode: Op
     decoder_layer_decode: Op
+    # load-time quantization: Q4_K fields of a float32 weight (w), llama.cpp's quantize_row_q4_K_ref bit for bit
+    quantize_q4_k: Op
 
     def linear(self, dtype: torch.dtype) -> LinearRoutes | None:
         """The routes of a linear in `dtype`, or None where nothing beats F.linear (float16, off the CPU)."""
@@ -224,7 +226,8 @@ def build(module: Any | None, *, onednn: bool = True) -> KernelTable:
         selective_update=op("selective_update", "selective_state_update_", [(f32,) + (d,) * 5 for d in floats]),
         mamba1_decode=op("mamba1_decode", "mamba1_decode_", [(d, d, f32) for d in floats]),
         mamba2_mixer_decode=op("mamba2_mixer_decode", "mamba2_mixer_decode_", [(d, d, s) for d, s in model_state]),
-        decoder_layer_decode=op("decoder_layer_decode", "decoder_layer_decode_", same(2, *floats)))
+        decoder_layer_decode=op("decoder_layer_decode", "decoder_layer_decode_", same(2, *floats)),
+        quantize_q4_k=op("quantize_q4_k", "q4_k_quantize", [f32]))
 
 
 _lock = threading.Lock()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stateserve.platform import kernels
 from stateserve.quantization.ggml_types import q4_0_values, q4_k_values
 
 QK4_0 = 32
@@ -79,8 +80,11 @@ def _make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15, rmin: fl
     sub-block at once. x, w: [32, M] (position, sub-block) -> (L float32 [32, M], scale [M], the_min [M] = -min).
     Fits x ~ scale * L + min (min <= 0) by weighted least squares on the codes of 1 + nstep candidate scales."""
     sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
-    lo = x.amin(dim=0).clamp(max=0)  # C: min of x, then "if (min > 0) min = 0"
-    hi = x.amax(dim=0)
+    lo, hi = x[0], x[0]  # C's "if (x[i] < min) min = x[i]" from x[0]: a NaN after x[0] is skipped (amin takes it)
+    for i in range(1, x.shape[0]):
+        lo = torch.where(x[i] < lo, x[i], lo)
+        hi = torch.where(x[i] > hi, x[i], hi)
+    lo = torch.where(lo > 0, torch.zeros_like(lo), lo)  # then "if (min > 0) min = 0"
     flat = hi == lo
     f32 = np.float32
 
@@ -155,8 +159,13 @@ def quantize_q4_k(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     [N, K/256], dmin float16 [N, K/256], sc uint8 [N, K/32], mn uint8 [N, K/32]); w ~ (d*sc)*codes - dmin*mn.
     ggml's quantize_row_q4_K_ref: each sub-block's scale and min from make_qkx2_quants with weights
     sqrt(mean(x^2)) + |x|, quantized to 6 bits against the super-block's largest (d = max_scale/63,
-    dmin = max_min/63 in float16), then every value coded again with those stored scales."""
+    dmin = max_min/63 in float16), then every value coded again with those stored scales. On the CPU with the C++
+    kernels this runs in csrc/quant_q4k_quantize.cpp, else in the PyTorch code below (the fallback, and the path of
+    other devices); both are checked against llama.cpp's C (tests/test_ggml_types.py)."""
     x = _rows_of(w, QK_K, "Q4_K")
+    kernel = kernels.table(x.device).quantize_q4_k(x.dtype)
+    if kernel is not None:  # csrc/quant_q4k_quantize.cpp: the same arithmetic, SIMD lanes = sub-blocks
+        return tuple(kernel(x.contiguous()))
     n, k = x.shape
     sub = x.reshape(-1, 32)
     parts = [_quantize_q4_k_chunk(sub[i:i + _CHUNK]) for i in range(0, sub.shape[0], _CHUNK)]
