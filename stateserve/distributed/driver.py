@@ -40,10 +40,14 @@ def local_ranks(config: Any) -> range:
 
 
 def _cpu_shares(count: int) -> tuple[int, list[list[int]]]:
-    """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs."""
+    """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs (at most
+    STATESERVE_NUM_THREADS threads each, when it is set)."""
+    from stateserve import envs
+
     cpus = sorted(cpu_threads.usable_cpus())
     per = max(1, len(cpus) // count)
-    return per, [cpus[i * per:(i + 1) * per] or cpus for i in range(count)]
+    threads = min(per, envs.STATESERVE_NUM_THREADS) if envs.STATESERVE_NUM_THREADS > 0 else per
+    return threads, [cpus[i * per:(i + 1) * per] or cpus for i in range(count)]
 
 
 def _rendezvous(config: Any) -> tuple[Rendezvous, Any]:
