@@ -236,3 +236,20 @@ def test_server_with_two_ranks_answers_the_openai_client():
         proc.wait(timeout=60)
     assert proc.returncode == 0, "".join(lines)
     assert any("Tensor parallelism: 2 ranks" in line for line in lines)
+
+
+def test_ranks_share_the_cores_within_the_thread_cap(monkeypatch):
+    """Each local rank gets its share of the usable CPUs, at most STATESERVE_NUM_THREADS threads."""
+    from stateserve import envs
+    from stateserve.distributed import driver
+
+    monkeypatch.setattr(driver.cpu_threads, "usable_cpus", lambda: frozenset(range(8)))
+    monkeypatch.delenv("STATESERVE_NUM_THREADS", raising=False)
+    envs.disable_envs_cache()
+    try:
+        assert driver._cpu_shares(2) == (4, [[0, 1, 2, 3], [4, 5, 6, 7]])
+        monkeypatch.setenv("STATESERVE_NUM_THREADS", "1")
+        assert driver._cpu_shares(2) == (1, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    finally:
+        monkeypatch.undo()
+        envs.disable_envs_cache()
