@@ -14,6 +14,7 @@ from stateserve import LLM, SamplingParams
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.selective_scan import (MAX_SCAN_CHUNK, SCAN_BUDGET_ELEMENTS, MambaMixer, scan_chunk_size,
                                               selective_scan_prefill)
+from state_checks import check_teacher_forced_logits
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
                    save_model)
 
@@ -63,11 +64,8 @@ def test_teacher_forced_logits(arch, extra, tmp_path):
     hf, path = _build(arch, tmp_path, **extra)
     tokens = [(7 * i) % 290 + 3 for i in range(70)]
     ref = hf_logits(hf, tokens)
-    with LLM(path, skip_tokenizer_init=True) as llm:
-        for chunk in (1, 7, 64):
-            ours = engine_teacher_forced_logits(llm, tokens, chunk)
-            # float32 states: only the scan's association order differs from transformers' sequential loop
-            torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    # float32 states: only the scan's association order differs from transformers' sequential loop
+    check_teacher_forced_logits(path, ref, tokens, atol=2e-4, rtol=1e-4)
 
 
 def _hf_stepwise_logits(hf, tokens: list[int]) -> torch.Tensor:

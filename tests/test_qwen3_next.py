@@ -13,6 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_g
 from stateserve import LLM, SamplingParams
 from stateserve.layers.delta_rule import GatedDeltaNet, chunk_gated_delta_rule, l2norm
 from stateserve.layers.metadata import StateMetadata
+from state_checks import check_teacher_forced_logits
 from utils import (assert_greedy_matches, build_hf_model, check_fused_experts_load, engine_teacher_forced_logits,
                    hf_greedy, hf_logits, save_model)
 
@@ -64,10 +65,7 @@ def test_teacher_forced_logits(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     tokens = list(range(3, 80))  # 77 tokens: more than one 64-token delta-rule chunk
     ref = hf_logits(hf, tokens)
-    with LLM(path, skip_tokenizer_init=True) as llm:
-        for chunk in (1, 7, 64):
-            ours = engine_teacher_forced_logits(llm, tokens, chunk)
-            torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4)
+    check_teacher_forced_logits(path, ref, tokens, atol=5e-4, rtol=1e-4)
 
 
 def test_all_linear_layers_is_attention_free(tmp_path):
