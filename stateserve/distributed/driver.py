@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from stateserve.distributed.group import ParallelGroup, Rendezvous
+from stateserve.engine.errors import FatalStepError
 from stateserve.distributed.sharding import TensorParallelError
 from stateserve.distributed.worker import worker_main
 from stateserve.platform import cpu_threads
@@ -28,9 +29,8 @@ logger = logging.getLogger("stateserve")
 _JOIN_TIMEOUT_S = 10.0  # how long a stopped worker gets to exit before it is killed
 
 
-class RankFailedError(RuntimeError):
+class RankFailedError(FatalStepError):
     """A tensor-parallel rank died or the ranks fell out of step; the engine cannot go on."""
-    fatal = True
 
 
 def local_ranks(config: Any) -> range:
@@ -155,7 +155,8 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
         def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
             if self._failure is not None:
                 raise RankFailedError(self._failure)
-            journal, self._journal[:] = list(self._journal), []
+            journal = self._journal[:]
+            self._journal.clear()
             return self._guard(lambda: self._step(input_ids, positions, meta, journal), any_error=True)
 
         def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -193,7 +194,8 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
 
         def _dead_ranks(self) -> list[str]:
             for _, proc in self._procs:  # a killed peer's exit status may land just after its sockets close
-                proc.join(0.5 if not proc.is_alive() else 0.05)
+                if proc.is_alive():
+                    proc.join(0.5)
             return [f"{rank} (exit code {proc.exitcode})" for rank, proc in self._procs if proc.exitcode is not None]
 
         def _fail(self, reason: str, quiet: bool = False) -> None:

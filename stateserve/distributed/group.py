@@ -134,10 +134,3 @@ class ParallelGroup:
     def close(self) -> None:
         self._pg = None
         self._store = None
-
-
-class SingleRank(ParallelGroup):
-    """Tensor parallelism of one: every collective is the identity (the layers' split rules are not applied)."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)

@@ -10,21 +10,10 @@ from __future__ import annotations
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import (TensorParallelError, column_parallel, rank_share, row_parallel,
+from stateserve.distributed.sharding import (column_parallel, head_rows, rank_share, row_parallel, share_or_replica,
                                              split_rule)
 from stateserve.layers.decoder_layer import DecoderAttention, GatedMLP
 from stateserve.layers.qkv_attention import QKVAttention
-
-
-def kv_head_share(num_heads: int, num_kv_heads: int, group: ParallelGroup) -> slice:
-    """The KV heads this rank's query heads read."""
-    if num_kv_heads % group.size == 0:
-        return rank_share(num_kv_heads, group, "num_key_value_heads")
-    if group.size % num_kv_heads:
-        raise TensorParallelError(f"num_key_value_heads={num_kv_heads} neither divides by nor divides "
-                                  f"tensor_parallel_size={group.size}")
-    head = group.rank * num_kv_heads // group.size  # ranks [h * N / KH, (h + 1) * N / KH) share KV head h
-    return slice(head, head + 1)
 
 
 def split_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None:
@@ -34,11 +23,10 @@ def split_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None:
     d = layer.head_dim
     per_head = layer.sizes[0] // layer.num_heads  # q rows of one head
     heads = rank_share(layer.num_heads, group, "num_attention_heads")
-    kv = kv_head_share(layer.num_heads, layer.num_kv_heads, group)
-    kv_rows = slice(kv.start * d, kv.stop * d)
-    column_parallel(layer.qkv_proj, [slice(heads.start * per_head, heads.stop * per_head), kv_rows, kv_rows],
-                    list(layer.sizes))
-    layer.o_proj = row_parallel(layer.o_proj, group, slice(heads.start * d, heads.stop * d))
+    kv = share_or_replica(layer.num_kv_heads, group, "num_key_value_heads")  # the KV heads its query heads read
+    kv_rows = head_rows(kv, d)
+    column_parallel(layer.qkv_proj, [head_rows(heads, per_head), kv_rows, kv_rows], list(layer.sizes))
+    layer.o_proj = row_parallel(layer.o_proj, group, head_rows(heads, d))
     layer.num_heads, layer.num_kv_heads = heads.stop - heads.start, kv.stop - kv.start
     layer.sizes = [layer.num_heads * per_head, layer.num_kv_heads * d, layer.num_kv_heads * d]
     layer.attn.num_heads, layer.attn.num_kv_heads = layer.num_heads, layer.num_kv_heads
@@ -60,10 +48,9 @@ def split_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
     mlp.down_proj = row_parallel(mlp.down_proj, group, share)
 
 
-def _register_model_mlps() -> None:
+def _register_model_classes() -> None:
     from stateserve.layers.moe import GatedMLPExpert
     from stateserve.models.bamba import BambaMLP  # same layout: gate_up_proj [gate; up], down_proj
-
     from stateserve.models.lfm2 import LfmAttention
     from stateserve.models.qwen3_next import Qwen3NextAttention
 
@@ -73,4 +60,4 @@ def _register_model_mlps() -> None:
     split_rule(LfmAttention)(split_lfm_attention)
 
 
-_register_model_mlps()
+_register_model_classes()

@@ -12,22 +12,17 @@ from __future__ import annotations
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.rules_recurrent import _split_conv
-from stateserve.distributed.sharding import column_parallel, rank_share, row_parallel, set_param, split_rule
+from stateserve.distributed.sharding import (column_parallel, conv_channels, head_rows, rank_share, row_parallel,
+                                             set_param, split_rule)
 from stateserve.layers.kda import KimiDeltaAttention
-
-
-def _rows(share: slice, width: int) -> slice:
-    """Share of heads -> its rows when each head has `width` rows."""
-    return slice(share.start * width, share.stop * width)
 
 
 @split_rule(KimiDeltaAttention)
 def split_kda(layer: KimiDeltaAttention, group: ParallelGroup) -> None:
     heads = rank_share(layer.num_heads, group, "KDA num_heads")
-    channels, width = _rows(heads, layer.head_dim), layer.qkv_dim
+    channels, width = head_rows(heads, layer.head_dim), layer.qkv_dim
     column_parallel(layer.qkv_proj, [channels] * 3, [width] * 3)
-    _split_conv(layer.conv1d, [width] * 3, [channels] * 3)
+    conv_channels(layer.conv1d, [width] * 3, [channels] * 3)
     if layer.low_rank_gates:
         column_parallel(layer.f_b_proj, [channels])
         column_parallel(layer.g_b_proj, [channels])
@@ -46,10 +41,10 @@ def split_kda(layer: KimiDeltaAttention, group: ParallelGroup) -> None:
 
 def split_mla(layer: nn.Module, group: ParallelGroup) -> None:
     heads = rank_share(layer.num_heads, group, "num_attention_heads")
-    column_parallel(layer.q_proj if layer.q_lora_rank is None else layer.q_b_proj, [_rows(heads, layer.qk_dim)])
+    column_parallel(layer.q_proj if layer.q_lora_rank is None else layer.q_b_proj, [head_rows(heads, layer.qk_dim)])
     up = layer.kv_b_proj  # [H * (nope + v), rank], heads in order
-    set_param(up, "weight", up.weight.data[_rows(heads, layer.nope + layer.v_dim)])
-    layer.o_proj = row_parallel(layer.o_proj, group, _rows(heads, layer.v_dim))
+    set_param(up, "weight", up.weight.data[head_rows(heads, layer.nope + layer.v_dim)])
+    layer.o_proj = row_parallel(layer.o_proj, group, head_rows(heads, layer.v_dim))
     layer.num_heads = layer.attn.num_heads = heads.stop - heads.start
 
 

@@ -1,11 +1,11 @@
 """Tensor-parallel split rules of the moe layers (see distributed/sharding.py).
 
-SparseMoE (and its subclasses with their own routers: KimiMoE, Lfm2MoeBlock), and NemotronH's MoE (non-gated experts): every rank keeps every expert with
-its share of the expert's intermediate channels: gate_up rows (gate and up alike) and down columns. The router stays
-whole (every rank routes the same tokens the same way), so each rank's weighted sum over its experts is a partial
-sum of the layer's output. The shared expert is split the same way and its down projection kept local (no
-all-reduce of its own): its partial product, scaled by the whole sigmoid gate, adds to the routed one, and a
-forward hook sums the layer's output over the ranks: one all-reduce per MoE layer."""
+SparseMoE (and its subclasses with their own routers: KimiMoE, Lfm2MoeBlock), and NemotronH's MoE (non-gated
+experts): every rank keeps every expert with its share of the expert's intermediate channels: gate_up rows (gate and
+up alike) and down columns. The router stays whole (every rank routes the same tokens the same way), so each rank's
+weighted sum over its experts is a partial sum of the layer's output. The shared expert is split the same way and
+its down projection kept local (no all-reduce of its own): its partial product, scaled by the whole sigmoid gate,
+adds to the routed one, and a forward hook sums the layer's output over the ranks: one all-reduce per MoE layer."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,17 +14,15 @@ import torch
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import column_parallel, rank_share, row_parallel, set_param, split_rule, take_rows
+from stateserve.distributed.sharding import (column_parallel, local_columns, rank_share, row_parallel, set_param,
+                                             split_rule, take_rows)
 from stateserve.layers.moe import SparseMoE
 
 
-def _local_columns(linear: nn.Linear, share: slice, group: ParallelGroup) -> nn.Linear:
-    """A plain linear of the input columns `share`, whose partial products the caller sums over the ranks: its bias
+def _partial_linear(linear: nn.Linear, share: slice, group: ParallelGroup) -> nn.Linear:
+    """local_columns(linear, share) whose partial products the caller sums over the ranks with others: its bias
     (if any) stays on rank 0 only, so the sum adds it once."""
-    weight = linear.weight.data[:, share].contiguous()
-    local = nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None, device=weight.device,
-                      dtype=weight.dtype)
-    local.weight = nn.Parameter(weight, requires_grad=False)
+    local = local_columns(linear, share)
     if linear.bias is not None:
         bias = linear.bias.data if group.rank == 0 else torch.zeros_like(linear.bias.data)
         local.bias = nn.Parameter(bias.clone(), requires_grad=False)
@@ -58,7 +56,7 @@ def split_sparse_moe(moe: SparseMoE, group: ParallelGroup) -> None:
         inter = shared.down_proj.in_features
         part = rank_share(inter, group, "shared expert intermediate_size")
         column_parallel(shared.gate_up_proj, [part, part], [inter, inter])
-        shared.down_proj = _local_columns(shared.down_proj, part, group)
+        shared.down_proj = _partial_linear(shared.down_proj, part, group)
     _sum_output_over_ranks(moe, group)
 
 
@@ -87,7 +85,7 @@ def split_nemotron_moe(moe: nn.Module, group: ParallelGroup) -> None:
     shared = moe.shared_experts
     part = rank_share(shared.up_proj.out_features, group, "NemotronH moe_shared_expert_intermediate_size")
     column_parallel(shared.up_proj, [part])
-    shared.down_proj = _local_columns(shared.down_proj, part, group)
+    shared.down_proj = _partial_linear(shared.down_proj, part, group)
     if isinstance(moe.fc2_latent_proj, nn.Linear) and moe.fc2_latent_proj.bias is not None and group.rank:
         moe.fc2_latent_proj.bias.data.zero_()
     _sum_output_over_ranks(moe, group)

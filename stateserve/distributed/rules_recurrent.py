@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import (TensorParallelError, column_parallel, rank_share, row_parallel,
-                                             set_param, split_rule, take_rows)
+from stateserve.distributed.sharding import (TensorParallelError, column_parallel, conv_channels, head_rows,
+                                             rank_share, row_parallel, set_param, share_or_replica, split_rule,
+                                             take_rows)
 from stateserve.layers.delta_rule import GatedDeltaNet
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.selective_scan import MambaMixer
@@ -38,25 +39,12 @@ def _rows(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     return t.index_select(0, torch.tensor(index, dtype=torch.long, device=t.device))
 
 
-def _split_conv(conv: nn.Conv1d, parts: list[int], shares: list[slice]) -> None:
-    """A depthwise conv's channels (weight [C, 1, K], bias [C]) of this rank, part by part."""
-    set_param(conv, "weight", take_rows(conv.weight.data, parts, shares))
-    if conv.bias is not None:
-        set_param(conv, "bias", take_rows(conv.bias.data, parts, shares))
-    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-
-
-def _scale(n: int, s: slice, k: int) -> slice:
-    """Share s of n things of k rows each -> its rows."""
-    return slice(s.start * k, s.stop * k)
-
-
 # ---- Mamba1 --------------------------------------------------------------------------------------------------
 def split_mamba_mixer(mixer: MambaMixer, group: ParallelGroup) -> None:
     D = mixer.intermediate_size
     share = rank_share(D, group, "intermediate_size (Mamba d_inner)")
     column_parallel(mixer.in_proj, [share, share], [D, D])  # [x | z]
-    _split_conv(mixer.conv1d, [D], [share])
+    conv_channels(mixer.conv1d, [D], [share])
     # dt_low, B and C contract over d_inner: every rank needs their sum (the dt/B/C norms then act on it whole)
     mixer.x_proj = row_parallel(mixer.x_proj, group, share)
     column_parallel(mixer.dt_proj, [share])
@@ -71,10 +59,10 @@ def split_zamba_mamba_mixer(mixer: ZambaMambaMixer, group: ParallelGroup) -> Non
     """Zamba v1: whole heads (each has its own x_proj / dt_proj over its channels); in_proj interleaves u and z
     per channel, so a channel share is a contiguous run of rows there too."""
     heads = rank_share(mixer.num_heads, group, "n_mamba_heads")
-    channels = _scale(mixer.num_heads, heads, mixer.head_dim)
+    channels = head_rows(heads, mixer.head_dim)
     D = mixer.intermediate_size
-    column_parallel(mixer.in_proj, [_scale(D, channels, 2)], [2 * D])
-    _split_conv(mixer.conv1d, [D], [channels])
+    column_parallel(mixer.in_proj, [head_rows(channels, 2)], [2 * D])
+    conv_channels(mixer.conv1d, [D], [channels])
     for name in ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D"):
         set_param(mixer, name, getattr(mixer, name).data[heads])
     mixer.out_proj = row_parallel(mixer.out_proj, group, channels)
@@ -113,23 +101,12 @@ class SplitGatedRMSNorm(nn.Module):
         return (self.weight * h).to(dtype)
 
 
-def mamba2_group_share(n_groups: int, group: ParallelGroup) -> slice:
-    """The B/C groups this rank's heads read."""
-    if n_groups % group.size == 0:
-        return rank_share(n_groups, group, "n_groups")
-    if group.size % n_groups:
-        raise TensorParallelError(f"Mamba2 n_groups={n_groups} is neither a multiple nor a divisor of "
-                                  f"tensor_parallel_size={group.size}")
-    g = group.rank * n_groups // group.size  # ranks [g * N / G, (g + 1) * N / G) read group g
-    return slice(g, g + 1)
-
-
 def split_mamba2_mixer(mixer: Mamba2Mixer, group: ParallelGroup) -> None:
     H, P, G, N = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.state_size
     inner, gn = mixer.intermediate_size, G * N
     heads = rank_share(H, group, "Mamba2 num_heads")
-    groups = mamba2_group_share(G, group)
-    x_rows, bc_rows = _scale(H, heads, P), _scale(G, groups, N)
+    groups = share_or_replica(G, group, "Mamba2 n_groups")  # the B/C groups its heads read
+    x_rows, bc_rows = head_rows(heads, P), head_rows(groups, N)
     local = x_rows.stop - x_rows.start
     # the gated norm's groups: whole on each rank (local), or spanning ranks (summed over them); nothing between
     norm = mixer.norm
@@ -140,7 +117,7 @@ def split_mamba2_mixer(mixer: Mamba2Mixer, group: ParallelGroup) -> None:
     column_parallel(mixer.in_proj, shares, parts)
     if mixer.in_proj_scale is not None:  # FalconH1's multipliers follow in_proj's rows
         mixer.in_proj_scale = take_rows(mixer.in_proj_scale, parts, shares)
-    _split_conv(mixer.conv1d, [inner, gn, gn], [x_rows, bc_rows, bc_rows])  # over [x | B | C]
+    conv_channels(mixer.conv1d, [inner, gn, gn], [x_rows, bc_rows, bc_rows])  # over [x | B | C]
     for name in ("dt_bias", "A_log", "D"):
         set_param(mixer, name, getattr(mixer, name).data[heads])
     if norm is not None:
@@ -234,6 +211,6 @@ def split_short_conv(layer: ShortConv, group: ParallelGroup) -> None:
     channels = layer.hidden_size  # the conv's width (the model's hidden size before the split)
     share = rank_share(channels, group, "short conv channels (hidden_size)")
     column_parallel(layer.in_proj, [share] * 3, [channels] * 3)
-    _split_conv(layer.conv1d, [channels], [share])
+    conv_channels(layer.conv1d, [channels], [share])
     layer.out_proj = row_parallel(layer.out_proj, group, share)
     layer.hidden_size = share.stop - share.start

@@ -6,8 +6,10 @@ dimension into `RowParallelLinear`s, which sum the ranks' partial products (one 
 a rule runs whole on every rank (the same result, computed on each), so every model runs under tensor parallelism
 and the split rules decide how much of it is shared out; the load log says what stays whole.
 
-Helpers for the rules: `rank_share` (this rank's contiguous piece of n), `take_rows` / `take_columns` (the rank's
-slice of a parameter, part by part for a stacked one such as qkv), `column_parallel`, `row_parallel`."""
+Helpers for the rules: `rank_share` (this rank's contiguous piece of n), `share_or_replica` (the same, or the one
+thing of fewer than the ranks that this rank reads), `head_rows` (a share of heads as rows), `take_rows` (the rank's
+slice of a parameter, part by part for a stacked one such as qkv), `column_parallel`, `row_parallel`,
+`local_columns` (a linear of the rank's input columns, summed by the caller) and `conv_channels`."""
 from __future__ import annotations
 
 import logging
@@ -53,6 +55,23 @@ def rank_share(n: int, group: ParallelGroup, what: str) -> slice:
         raise TensorParallelError(f"{what}={n} is not divisible by tensor_parallel_size={group.size}")
     part = n // group.size
     return slice(group.rank * part, (group.rank + 1) * part)
+
+
+def share_or_replica(n: int, group: ParallelGroup, what: str) -> slice:
+    """This rank's share of n things read by its heads (KV heads, B/C groups): n / N of them when they divide,
+    else, with fewer than the ranks, the one thing ranks [i * N / n, (i + 1) * N / n) share (replicated on them)."""
+    if n % group.size == 0:
+        return rank_share(n, group, what)
+    if group.size % n:
+        raise TensorParallelError(f"{what}={n} is neither a multiple nor a divisor of "
+                                  f"tensor_parallel_size={group.size}")
+    i = group.rank * n // group.size
+    return slice(i, i + 1)
+
+
+def head_rows(share: slice, width: int) -> slice:
+    """A share of heads (or groups, channels) -> its rows when each has `width` rows."""
+    return slice(share.start * width, share.stop * width)
 
 
 def take_rows(t: torch.Tensor, parts: list[int], shares: list[slice]) -> torch.Tensor:
@@ -112,16 +131,30 @@ class RowParallelLinear(nn.Module):
         return self.product(x, self.bias)
 
 
-def row_parallel(linear: nn.Linear, group: ParallelGroup, share: slice | list[slice],
-                 parts: list[int] | None = None) -> RowParallelLinear:
-    """A RowParallelLinear keeping the input columns of this rank's share (per stacked part of the input, as
-    column_parallel does for outputs)."""
+def local_columns(linear: nn.Linear, share: slice | list[slice], parts: list[int] | None = None) -> nn.Linear:
+    """A plain linear (no bias) of the input columns of this rank's share (per stacked part of the input, as
+    column_parallel does for outputs): its products are partial sums the caller adds up over the ranks."""
     parts = parts or [linear.in_features]
     shares = share if isinstance(share, list) else [share]
     weight = take_rows(linear.weight.data.t(), parts, shares).t().contiguous()
     local = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     local.weight = nn.Parameter(weight, requires_grad=False)
-    return RowParallelLinear(local, None if linear.bias is None else linear.bias.data, group)
+    return local
+
+
+def row_parallel(linear: nn.Linear, group: ParallelGroup, share: slice | list[slice],
+                 parts: list[int] | None = None) -> RowParallelLinear:
+    """A RowParallelLinear over local_columns(linear, share, parts), summing over the ranks, the bias once."""
+    return RowParallelLinear(local_columns(linear, share, parts), None if linear.bias is None else linear.bias.data,
+                             group)
+
+
+def conv_channels(conv: nn.Conv1d, parts: list[int], shares: list[slice]) -> None:
+    """Keep a depthwise conv's channels (weight [C, 1, K], bias [C]) of this rank, part by part."""
+    set_param(conv, "weight", take_rows(conv.weight.data, parts, shares))
+    if conv.bias is not None:
+        set_param(conv, "bias", take_rows(conv.bias.data, parts, shares))
+    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
 
 
 def split_model(model: nn.Module, group: ParallelGroup, vocab_size: int) -> bool:

@@ -47,7 +47,8 @@ class VocabParallelEmbedding(nn.Module):
 def split_vocab(model: nn.Module, vocab: int, group: ParallelGroup) -> bool:
     """Split the input embedding and the lm_head of `model` over the ranks; False (nothing changed) when the model
     has not exactly one nn.Embedding of `vocab` rows and an nn.Linear lm_head of `vocab` outputs."""
-    embeddings = [(name, m) for name, m in model.named_modules() if type(m) is nn.Embedding and m.num_embeddings == vocab]
+    embeddings = [(name, m) for name, m in model.named_modules()
+                  if type(m) is nn.Embedding and m.num_embeddings == vocab]
     head = getattr(model, "lm_head", None)
     if len(embeddings) != 1 or not isinstance(head, nn.Linear) or head.out_features != vocab or head.bias is not None:
         return False

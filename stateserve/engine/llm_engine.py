@@ -15,7 +15,7 @@ from stateserve import envs
 from stateserve.config import EngineConfig
 from stateserve.engine import fault_inject
 from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer
-from stateserve.engine.errors import EngineDeadError
+from stateserve.engine.errors import EngineDeadError, FatalStepError
 from stateserve.core.request import Request
 from stateserve.engine.request_output import logprob_entry, make_output
 from stateserve.engine.scheduler import Scheduler
@@ -323,7 +323,7 @@ class LLMEngine:
         logger.error("a step failed; its %d request(s) finished with finish_reason 'error' (%d failed step(s) in "
                      "a row, the engine stops at %d)", len(reqs), self._consecutive_failures,
                      self.max_step_failures, exc_info=exc)
-        if getattr(exc, "fatal", False):  # e.g. a tensor-parallel rank died: no later step can run
+        if isinstance(exc, FatalStepError):  # e.g. a tensor-parallel rank died: no later step can run
             self._death = (f"the engine stopped: {type(exc).__name__}: {exc}", exc)
             self._check_open()
         if self._consecutive_failures >= self.max_step_failures:

@@ -85,7 +85,8 @@ def build_app(engine: AsyncEngine | DataParallelEngine, tokenizer: Any | None, s
               max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
               tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app's lifespan and stops (freeing caches) with it."""
-    metrics = ServerMetrics(lambda: engine.snapshot, getattr(engine, "replica_snapshots", None))
+    metrics = ServerMetrics(lambda: engine.snapshot,
+                            engine.replica_snapshots if isinstance(engine, DataParallelEngine) else None)
     serving = OpenAIServing(engine, tokenizer, list(served_model_names), metrics, chat_template,
                             max_sequences_per_request=max_sequences_per_request, tool_call_parser=tool_call_parser)
     embedding_serving = EmbeddingServing(serving)
@@ -256,8 +257,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))  # bad arguments raise here
         factory = lambda: build_engine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM)  # noqa: E731
-        if args.data_parallel_size > 1 and getattr(config, "tensor_parallel_size", 1) > 1:
-            raise ValueError("--data-parallel-size and --tensor-parallel-size cannot be combined yet")
+        if args.data_parallel_size > 1 and config.world_size > 1:
+            raise ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
+                             "--pipeline-parallel-size yet")
         if args.data_parallel_size == 1:
             llm_engine = build_off_main_thread(factory)
             engine = AsyncEngine(llm_engine, args.max_waiting_requests)
