@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="C++ CPU kernels unavail
 
 
 def _skip_without_few_row_kernel(dtype):
-    """The fused steps run their projections on the few-row kernel: AVX-512 without BF16 has none in bfloat16."""
+    """The fused steps run their projections on the few-row kernel (every build has it in both dtypes; a module that
+    lacks it would skip here rather than test the fallback against itself)."""
     if not kernels.fast_linear_supported(dtype):
         pytest.skip(f"no few-row linear kernel for {dtype} in this build ({kernels.compiled_isa()})")
 

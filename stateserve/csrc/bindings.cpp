@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "whether paged_prefill_attention has a kernel for a dtype and head size", nogil);
   m.def("write_kv_cache", &write_kv_cache, "new K/V rows into the paged cache at their slots (CPU)", nogil);
-  m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (CPU: AVX-512 or AVX2)", nogil);
+  m.def("fast_linear", &fast_linear, "x @ weight.T + bias for few rows of x (float32 or bfloat16, every build)", nogil);
   m.def("ssd_state_update_", &ssd_state_update_, "Mamba2 decode: state update in place, returns y", nogil);
   m.def("mamba2_decode_", &mamba2_decode_, "Mamba2 decode after in_proj: conv, step sizes, state update; returns y",
         nogil);

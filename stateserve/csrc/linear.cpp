@@ -8,6 +8,9 @@
 // 28 ms through oneDNN at one row, 20 vs 40 at four (2 Zen 3 cores, DRAM-resident float32 weights); oneDNN's call
 // overhead alone was ~30 us on the one-row [80, 1536] and [1536, 48] products (kernel: 6-11 us). There oneDNN has
 // no bfloat16 at all and PyTorch's bfloat16 GEMV streams ~20 GB/s; this kernel ~28 (a base model's weights, 1 row).
+// Every build has it, in both dtypes (the fused decode calls run their float projections through it, beside the
+// quantized ones): AVX-512 without vdpbf16ps widens bfloat16 as the AVX2 path does, and a build without vectors
+// runs the portable loops at the end (one chain per output as well).
 #include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
@@ -93,6 +96,33 @@ struct Bf16Lanes {  // bfloat16: 32 values of k per vector, vdpbf16ps adds pairs
     return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << n) - 1u), p);
   }
   static __m512 madd(__m512 acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static __m512 total(Acc acc) { return acc; }
+};
+#elif SS_HAS_AVX512
+// bfloat16 on AVX-512 without vdpbf16ps (Skylake-SP, Ice Lake): Bf16Lanes8 below on 16 lanes, 32 values of k per
+// step widened exactly to float32 (the even values by a shift, the odd ones by a mask), two FMA chains per output.
+struct Bf16Lanes {
+  using Scalar = uint16_t;
+  struct Vec {
+    __m512 even, odd;
+  };
+  using Acc = Vec;
+  static constexpr int kStep = 32;
+  static Acc zero() { return {_mm512_setzero_ps(), _mm512_setzero_ps()}; }
+  static Vec widen(__m512i words) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  static Vec load(const uint16_t* p) { return widen(_mm512_loadu_si512(p)); }
+  static Vec load_first(const uint16_t* p, int64_t n) {  // the first n (< 32) values, the rest 0 (and not read)
+    alignas(64) uint16_t tmp[32] = {};
+    std::memcpy(tmp, p, n * sizeof(uint16_t));
+    return widen(_mm512_load_si512(tmp));
+  }
+  static Acc madd(Acc acc, Vec x, Vec w) {
+    return {_mm512_fmadd_ps(x.even, w.even, acc.even), _mm512_fmadd_ps(x.odd, w.odd, acc.odd)};
+  }
+  static __m512 total(Acc acc) { return _mm512_add_ps(acc.even, acc.odd); }
 };
 #endif
 
@@ -241,14 +271,17 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 }
 #endif
 
-#if SS_HAS_AVX512_BF16
+#if SS_HAS_AVX512
 // An MR x NR tile of bfloat16 outputs (summed in float32).
 template <int MR, int NR>
 inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t ldw, int64_t K,
                       at::BFloat16* out, int64_t ldo, const at::BFloat16* bias, const at::BFloat16* pf) {
-  __m512 acc[MR][NR];
+  Bf16Lanes::Acc chains[MR][NR];
   const auto as16 = [](const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
-  accumulate<Bf16Lanes>(as16(x), ldx, as16(w), ldw, K, as16(pf), acc);
+  accumulate<Bf16Lanes>(as16(x), ldx, as16(w), ldw, K, as16(pf), chains);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = Bf16Lanes::total(chains[i][j]);
 #if SS_HAS_AVX512_BW
   if constexpr (MR == 1 && NR == 8) {  // the 8 sums in the low lanes; the store rounds as the cast below
     using namespace stateserve_simd;
@@ -298,8 +331,6 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 
 #if SS_HAS_SIMD
 SS_TILE_FN(tile_f32, float)
-#endif
-#if SS_HAS_AVX512_BF16 || SS_HAS_AVX2
 SS_TILE_FN(tile_bf16, at::BFloat16)
 #endif
 
@@ -334,13 +365,36 @@ void run_linear(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64
   });
 }
 
+#if !SS_HAS_SIMD
+// The portable loops (a build without AVX): each output one float32 chain over k in ascending order, the bias
+// added and the result rounded once, as the vector paths do; kRows outputs side by side for independent chains.
+template <typename T>
+void run_linear_portable(const T* x, int64_t ldx, const T* w, int64_t K, int64_t M, int64_t N, T* out,
+                         const T* bias) {
+  constexpr int64_t kRows = 4;
+  at::parallel_for(0, (N + kRows - 1) / kRows, stateserve_simd::rows_grain(kRows * K * M, 1),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRows, nr = std::min(kRows, N - n0);
+      const T* wt = w + n0 * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const T* xr = x + m * ldx;
+        float acc[kRows] = {};
+        for (int64_t k = 0; k < K; ++k) {
+          const float xv = static_cast<float>(xr[k]);
+          for (int64_t j = 0; j < nr; ++j) acc[j] += xv * static_cast<float>(wt[j * K + k]);
+        }
+        for (int64_t j = 0; j < nr; ++j)
+          out[m * N + n0 + j] = static_cast<T>(acc[j] + (bias ? static_cast<float>(bias[n0 + j]) : 0.f));
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
-bool fast_linear_supported(c10::ScalarType dtype) {
-  if (dtype == at::kFloat) return SS_HAS_AVX512 || SS_HAS_AVX2;
-  if (dtype == at::kBFloat16) return SS_HAS_AVX512_BF16 || SS_HAS_AVX2;
-  return false;
-}
+bool fast_linear_supported(c10::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
 
 // x: [M, K] with unit stride along K; weight: [N, K] contiguous; bias: [N] or empty. Returns [M, N].
 at::Tensor fast_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
@@ -371,9 +425,7 @@ at::Tensor fast_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor
                       });
     return out;
   }
-#endif
-#if SS_HAS_AVX512_BF16 || SS_HAS_AVX2
-  if (x.scalar_type() == at::kBFloat16) {
+  {  // bfloat16 (fast_linear_supported checked the dtype)
     using bf = at::BFloat16;
     run_linear<bf>(x.data_ptr<bf>(), x.stride(0), weight.data_ptr<bf>(), K, M, N, out.data_ptr<bf>(),
                    b.defined() ? b.data_ptr<bf>() : nullptr,
@@ -384,6 +436,14 @@ at::Tensor fast_linear(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor
                    });
     return out;
   }
+#else
+  const auto portable = [&](auto tag) {
+    using T = decltype(tag);
+    run_linear_portable<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), K, M, N, out.data_ptr<T>(),
+                           b.defined() ? b.data_ptr<T>() : nullptr);
+  };
+  if (x.scalar_type() == at::kFloat) portable(float{});
+  else portable(at::BFloat16{});
+  return out;
 #endif
-  TORCH_CHECK(false, "fast_linear: unreachable");
 }

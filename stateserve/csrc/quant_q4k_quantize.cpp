@@ -19,7 +19,7 @@
 #include <cstring>
 #include "isa.h"
 #include "kernels.h"
-#include "simd.h"  // (SIMD builds: F32Vec's register transpose)
+#include "simd.h"  // (SIMD builds: F32Vec, its register transpose)
 
 namespace {
 
@@ -50,33 +50,21 @@ inline int32_t nearest_int(float v) {
 
 inline float fmul(float a, float b) { return opaque(a * b); }
 
-// ---- lanes: one sub-block each. F a vector of floats, M a lane mask; the operations C's float code uses.
+// ---- lanes: one sub-block each. F a vector of floats, M a lane mask; the operations C's float code uses: simd.h's
+// F32Vec where the build has vectors, and what only this quantizer needs beside it: the product that no flag may
+// contract, C's ordered compares as lane masks, and the codes.
+#if SS_HAS_SIMD
+struct Lanes : stateserve_simd::F32Vec {
+  using Vec = stateserve_simd::F32Vec;
+  using F = Vec::V;
+  using M = Vec::Mask;
+  static F mul(F a, F b) { return opaque(Vec::mul(a, b)); }  // (hides F32Vec's mul)
 #if SS_HAS_AVX512
-struct Lanes {
-  static constexpr int kN = 16;
-  using F = __m512;
-  using M = __mmask16;
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F load(const float* p) { return _mm512_load_ps(p); }
-  static F loadu(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, F v) { _mm512_store_ps(p, v); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F mul(F a, F b) { return opaque(_mm512_mul_ps(a, b)); }
-  static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  static F abs(F a) {
-    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF)));
-  }
-  static F neg(F a) {
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
-  }
   static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
   static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   static M both(M a, M b) { return static_cast<M>(a & b); }
   static bool any(M m) { return m != 0; }
-  static F select(M m, F yes, F no) { return _mm512_mask_blend_ps(m, no, yes); }
   // MAX(0, MIN(nmax, nearest_int(v))) as a float
   static F codes(F v, int nmax) {
     __m512i i = _mm512_castps_si512(_mm512_add_ps(v, _mm512_set1_ps(kMagic)));
@@ -84,44 +72,27 @@ struct Lanes {
     i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_setzero_si512()), _mm512_set1_epi32(nmax));
     return _mm512_cvtepi32_ps(i);
   }
-};
-#elif SS_HAS_AVX2
-struct Lanes {
-  static constexpr int kN = 8;
-  using F = __m256;
-  using M = __m256;
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F load(const float* p) { return _mm256_load_ps(p); }
-  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, F v) { _mm256_store_ps(p, v); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F mul(F a, F b) { return opaque(_mm256_mul_ps(a, b)); }
-  static F div(F a, F b) { return _mm256_div_ps(a, b); }
-  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  static F abs(F a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
-  static F neg(F a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+#else
   static M lt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
   static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
   static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static M both(M a, M b) { return _mm256_and_ps(a, b); }
   static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
-  static F select(M m, F yes, F no) { return _mm256_blendv_ps(no, yes, m); }
   static F codes(F v, int nmax) {
     __m256i i = _mm256_castps_si256(_mm256_add_ps(v, _mm256_set1_ps(kMagic)));
     i = _mm256_sub_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x007FFFFF)), _mm256_set1_epi32(0x00400000));
     i = _mm256_min_epi32(_mm256_max_epi32(i, _mm256_setzero_si256()), _mm256_set1_epi32(nmax));
     return _mm256_cvtepi32_ps(i);
   }
+#endif
 };
 #else
 struct Lanes {  // the portable loops: one sub-block at a time, C's own statements
-  static constexpr int kN = 1;
+  static constexpr int kWidth = 1;
   using F = float;
   using M = bool;
   static F set1(float v) { return v; }
   static F load(const float* p) { return *p; }
-  static F loadu(const float* p) { return *p; }
   static void store(float* p, F v) { *p = v; }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
@@ -142,7 +113,7 @@ struct Lanes {  // the portable loops: one sub-block at a time, C's own statemen
 
 using V = Lanes;
 using F = V::F;
-constexpr int kLanes = V::kN;
+constexpr int kLanes = V::kWidth;
 constexpr int kQK = 256;  // values per super-block
 constexpr int kSub = 32;  // values per sub-block
 constexpr int kNmax = 15;
@@ -174,12 +145,10 @@ struct alignas(64) Tile {
 // Sub-blocks s = 0 .. n-1 of x (32 values each, one after the other) into the tile's lanes, lanes from n on zero.
 void load_tile(Tile& t, const float* x, int n) {
 #if SS_HAS_SIMD
-  using W = stateserve_simd::F32Vec;
-  static_assert(W::kWidth == kLanes, "the tile's lanes are the build's vector");
   for (int i0 = 0; i0 < kSub; i0 += kLanes) {  // a square of kLanes sub-blocks x kLanes positions at a time
-    typename W::V r[kLanes];
-    for (int s = 0; s < kLanes; ++s) r[s] = s < n ? W::load(x + s * kSub + i0) : W::zero();
-    W::transpose(r);
+    F r[kLanes];
+    for (int s = 0; s < kLanes; ++s) r[s] = s < n ? V::load(x + s * kSub + i0) : V::zero();
+    V::transpose(r);
     for (int i = 0; i < kLanes; ++i) V::store(t.x[i0 + i], r[i]);
   }
 #else
@@ -296,7 +265,7 @@ void finish_super_block(const float* x, const float* scales, const float* mins, 
     const F dm_v = V::set1(dm), d_v = V::set1(d);
     alignas(64) float l[kLanes];
     for (int i = 0; i < kSub; i += kLanes) {
-      V::store(l, V::codes(V::div(V::add(V::loadu(xs + i), dm_v), d_v), kNmax));
+      V::store(l, V::codes(V::div(V::add(V::load(xs + i), dm_v), d_v), kNmax));
       for (int k = 0; k < kLanes; ++k) q[i + k] = static_cast<uint8_t>(l[k]);
     }
   }

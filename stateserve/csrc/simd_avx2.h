@@ -94,6 +94,8 @@ struct F32x8 {  // see F32x16
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
   static V abs(V x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+  static V neg(V x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.f)); }  // the sign bit flipped (-0 from 0, NaNs too)
+  static V sqrt(V x) { return _mm256_sqrt_ps(x); }
   static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // p * 2^k for whole k (no scalef): two exponent-field powers 2^(k/2) 2^(k - k/2), each a normal float for k down
   // to -150, so very negative k still underflows to 0 smoothly

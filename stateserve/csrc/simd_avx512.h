@@ -99,6 +99,11 @@ struct F32x16 {
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
   static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
   static V abs(V x) { return _mm512_abs_ps(x); }
+  static V neg(V x) {  // the sign bit flipped (-0 from 0, NaNs too)
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+  }
+  static V sqrt(V x) { return _mm512_sqrt_ps(x); }  // correctly rounded, as std::sqrt
   static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // p * 2^k for whole k: scalef, which underflows to 0 smoothly for very negative k
   static V scale_pow2(V p, V k) { return _mm512_scalef_ps(p, k); }

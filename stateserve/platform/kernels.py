@@ -41,8 +41,7 @@ MAX_ROWS_PREPACKED_8_LANES = {f32: 4, bf16: 8}
 # oneDNN on its own blocked copy of the weight / oneDNN on the plain weight): bfloat16 8 rows 370 / 212 / 96,
 # 37 rows 402 / 355 / 229, 256 rows 430 / 427 / 406, 2048 rows 431 / 437 / 405; float32 8 rows 153 / 100 / 69,
 # 37 rows 213 / 188 / 141, 2048 rows 207 / 204 / 199. One extra copy of the weights serves every batch size.
-# A bfloat16 layer with neither kernel nor oneDNN (a CPU without AVX2, or kernels that did not build, where oneDNN
-# has no bfloat16 either) computes from this many rows on in float32: PyTorch's own bfloat16 matmul ran ~1 GFLOP/s on
+# A bfloat16 layer with neither kernel nor oneDNN (kernels that did not build, on a CPU where oneDNN has no bfloat16) computes from this many rows on in float32: PyTorch's own bfloat16 matmul ran ~1 GFLOP/s on
 # an AVX2-only Zen 3. [3072, 768] weight, 2 cores, ms (bfloat16 / float32 with the weight converted each call): 4 rows
 # 0.95 / 1.05, 16 rows 3.75 / 1.36, 64 rows 14.9 / 2.6, 512 rows 120 / 18.
 UPCAST_MIN_ROWS = 8
