@@ -13,6 +13,7 @@ from transformers import Zamba2Config, Zamba2ForCausalLM
 from stateserve import LLM, SamplingParams
 from stateserve.model_states.mamba_hybrid import MambaHybridModelState
 from stateserve.models.zamba2 import Zamba2ForCausalLM as Ours
+from state_checks import check_teacher_forced_logits
 from utils import (assert_greedy_matches, build_hf_model, engine_teacher_forced_logits, hf_greedy, hf_logits,
                    save_model)
 
@@ -68,11 +69,8 @@ def test_greedy_parity_chunked(case, tmp_path):
 def test_teacher_forced_logits(case, tmp_path):
     hf, path = _build(tmp_path, **CASES[case])
     tokens = list(range(3, 70))  # 67 tokens: many 8-token scan chunks, several KV blocks
-    ref = hf_logits(hf, tokens)
-    with LLM(path, skip_tokenizer_init=True) as llm:
-        for chunk in (1, 7, 64):
-            # float32 throughout: only summation order differs (scan chunking, SDPA vs eager attention)
-            torch.testing.assert_close(engine_teacher_forced_logits(llm, tokens, chunk), ref, atol=2e-4, rtol=1e-4)
+    # float32 throughout: only summation order differs (scan chunking, SDPA vs eager attention)
+    check_teacher_forced_logits(path, hf_logits(hf, tokens), tokens, atol=2e-4)
 
 
 def test_decode_clamps_dt_like_prefill(tmp_path):
