@@ -4,7 +4,6 @@ One engine for every model kind: an embedding model's prompts are requests too (
 whole, run by the same runner and finished by the step that pools them."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from typing import Any
@@ -18,6 +17,7 @@ from stateserve.engine.detokenizer import Detokenizer, IncrementalDetokenizer
 from stateserve.engine.errors import EngineDeadError, FatalStepError
 from stateserve.core.request import Request
 from stateserve.engine.request_output import logprob_entry, make_output
+from stateserve.engine.runner_factory import build_runner, runner_config, uses_reference_runner
 from stateserve.engine.scheduler import Scheduler
 from stateserve.engine.stop_rules import apply_stop_rules
 from stateserve.engine.stats_log import StatsLog
@@ -26,7 +26,7 @@ from stateserve.models.folder import build_model_config, check_runner, load_toke
 from stateserve.outputs import EmbeddingRequestOutput, RequestOutput
 from stateserve.core.batch import InputBatch
 from stateserve.pooling_params import PoolingParams
-from stateserve.runner.model_runner import ModelRunner, PoolingResult
+from stateserve.runner.model_runner import PoolingResult
 from stateserve.runner.sampler import SampleResult
 from stateserve.runner.structured import GrammarCompiler
 from stateserve.sampling_params import SamplingParams
@@ -39,7 +39,6 @@ _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed ta
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         envs.enable_envs_cache()
-        self.config = config
         self.device = config.resolved_device()
         self.model_config = build_model_config(config, self.device)
         check_runner(config, self.model_config)
@@ -49,28 +48,9 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.reference = envs.STATESERVE_RUNNER == "reference"
-        if envs.STATESERVE_RUNNER not in ("default", "reference"):
-            raise ValueError(f"STATESERVE_RUNNER must be default or reference, got {envs.STATESERVE_RUNNER!r}")
-        if self.reference:  # one request at a time, full recompute, no cache reuse
-            from stateserve.runner.reference_runner import ReferenceRunner
-
-            config = dataclasses.replace(config, max_num_seqs=1, enable_prefix_caching=False)
-            self.config = config
-        if fault_inject.requested() and not config.enforce_eager:  # a CUDA graph replay runs no Python hook
-            config = self.config = dataclasses.replace(config, enforce_eager=True)
-        if config.node_rank > 0:
-            raise ValueError(f"node_rank={config.node_rank} runs only tensor-parallel workers, no engine: start it with "
-                             "`stateserve serve|generate --node-rank N ...` (node 0 runs the engine)")
-        if config.world_size > 1:
-            if self.reference:
-                raise ValueError("STATESERVE_RUNNER=reference runs on one rank: tensor_parallel_size and "
-                                 "pipeline_parallel_size must be 1")
-            from stateserve.distributed.driver import make_runner
-
-            self.runner = make_runner(config, self.model_config, self.device)
-        else:
-            self.runner = (ReferenceRunner if self.reference else ModelRunner)(config, self.model_config, self.device)
+        self.reference = uses_reference_runner()
+        config = self.config = runner_config(config, self.reference)
+        self.runner = build_runner(config, self.model_config, self.device, self.reference)
         try:
             self._start(config, show_progress)
         except BaseException:
