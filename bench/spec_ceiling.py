@@ -19,7 +19,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 
-from common import model_folder  # noqa: E402
+from common import MODEL_DIR, model_folder  # noqa: E402
+from widen_demo import WIDE_MODELS, widened_folder  # noqa: E402
 from stateserve import LLM, SamplingParams  # noqa: E402
 from stateserve.spec_decode.proposer import Proposer  # noqa: E402
 
@@ -43,7 +44,8 @@ def timed(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="llama,mamba2,bamba")
+    p.add_argument("--models", default="llama,mamba2,bamba", help="random kinds (--size) or bench/widen_demo.py's "
+                   f"{', '.join(WIDE_MODELS)}")
     p.add_argument("--size", default="base", choices=("base", "small"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--k", type=int, default=4)
@@ -54,13 +56,13 @@ def main() -> None:
                "unknown CPU")
     print(f"CPU: {cpu}; {torch.get_num_threads()} threads; {args.dtype}; one request, {args.max_tokens} new tokens, "
           f"k={args.k}, every draft right")
-    print(f"{'model':<8} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'ms/decode':>9} {'ms/verify':>9} "
+    print(f"{'model':<16} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'ms/decode':>9} {'ms/verify':>9} "
           f"{'tokens/verify':>13}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompt = list(range(100, 164))
     dtype = getattr(torch, args.dtype)
     for kind in args.models.split(","):
-        path = model_folder(kind, args.size, dtype)
+        path = widened_folder(kind, MODEL_DIR, dtype) if kind in WIDE_MODELS else model_folder(kind, args.size, dtype)
         with LLM(path, dtype=args.dtype, skip_tokenizer_init=True, enable_prefix_caching=False) as llm:
             plain = min(timed(llm, prompt, params)[0] for _ in range(args.repeats + 1))
         spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k}
@@ -83,7 +85,7 @@ def main() -> None:
                     best, steps = elapsed, engine.stats["spec_decode_num_drafts"] - before
             accepted = out == tokens
         n = args.max_tokens
-        print(f"{kind:<8} {n / plain:>11.1f} {n / best:>10.1f} {plain / best:>5.2f}x {1000 * plain / n:>9.2f} "
+        print(f"{kind:<16} {n / plain:>11.1f} {n / best:>10.1f} {plain / best:>5.2f}x {1000 * plain / n:>9.2f} "
               f"{1000 * best / max(steps, 1):>9.2f} {n / max(steps, 1):>13.2f}"
               + ("" if accepted else "  (drafts not all accepted)"))
 

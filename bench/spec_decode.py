@@ -8,7 +8,10 @@ of the same length that repeats nothing. Each at 1 request and 16 concurrent req
 tokens. Each engine configuration runs in its own process (peers/spec_runner.py, through throughput.py's
 run_engine) under a timeout.
 
-    python bench/spec_decode.py [--models llama,mamba2,bamba | demo] [--size base|small] [--threads N]
+The demo models copy real text but are too small for speculation to pay; `demo-wide` runs them in base-size
+bodies (bench/widen_demo.py: the same logits, ~90-120M parameters of work per token).
+
+    python bench/spec_decode.py [--models llama,mamba2,bamba | demo | demo-wide] [--size base|small] [--threads N]
         [--vllm-python /opt/peers/vllm/bin/python] [--llamacpp-python /opt/peers/llamacpp/bin/python
         --llamacpp-convert .../convert_hf_to_gguf.py]
 """
@@ -27,10 +30,10 @@ REPO = os.path.dirname(BENCH)
 sys.path.insert(0, BENCH)
 import throughput  # noqa: E402
 from common import MODEL_DIR, cpu_name, machine, model_folder, write_json  # noqa: E402
+from widen_demo import DEMO_DIR, WIDE_MODELS, widened_folder  # noqa: E402
 
 RANDOM_KINDS = ("llama", "mamba2", "bamba")  # bamba: the hybrid (Mamba2 layers and attention)
 DEMO_MODELS = ("llama-demo", "mamba2-demo", "hybrid-demo")
-DEMO_DIR = os.path.join(REPO, "stateserve", "assets", "models")
 # label -> (engine, speculator); "ngram" and "draft" are filled in from the flags
 CONFIGS = {"ss": ("stateserve", None), "ss-ngram": ("stateserve", "ngram"), "ss-draft": ("stateserve", "draft"),
            "tf-pld": ("transformers", "ngram"), "vllm-ngram": ("vllm", "ngram"), "lcpp-pld": ("llamacpp", "ngram")}
@@ -49,6 +52,8 @@ def resolve_model(name: str, args: argparse.Namespace) -> str:
         return os.path.join(DEMO_DIR, name)
     import torch
 
+    if name in WIDE_MODELS:
+        return widened_folder(name, MODEL_DIR, getattr(torch, args.dtype))
     return model_folder(name, args.size, getattr(torch, args.dtype))
 
 
@@ -174,7 +179,7 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> list[dict
         args.num_speculative_tokens + 1  # room for a last draft past the final token
     job = {"model": folder, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "repo": REPO,
            "max_model_len": (longest // 256 + 1) * 256, "keep_outputs": True, "workloads": workloads}
-    label = model if model in DEMO_MODELS else f"{model}-{args.size}"
+    label = model if model in DEMO_MODELS + tuple(WIDE_MODELS) else f"{model}-{args.size}"
     results = {}
     for config in args.configs:
         print(f"  {label}: {config} ...", flush=True)
@@ -271,7 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(RANDOM_KINDS),
                    help=f"comma-separated: {', '.join(RANDOM_KINDS)} (random weights, --size) and/or "
-                   f"{', '.join(DEMO_MODELS)} (the bundled trained demo models); 'demo' means all three of those")
+                   f"{', '.join(DEMO_MODELS)} (the bundled trained demo models), {', '.join(WIDE_MODELS)} (those in "
+                   "base-size bodies); 'demo' / 'demo-wide' mean all three of either")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: copy, nocopy")
     p.add_argument("--concurrency", default="1,16", help="comma-separated request counts (all sent at once)")
     p.add_argument("--size", default="base", choices=list(SHAPES), help="random models' size and the prompts' "
@@ -296,11 +302,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-convert", default=None, help="convert_hf_to_gguf.py of the llama-cpp-python sdist")
     p.add_argument("--convert-python", default=sys.executable, help="Python that runs the GGUF converter")
     args = p.parse_args(argv)
-    names = [m for name in args.models.split(",") for m in (DEMO_MODELS if name == "demo" else (name,))]
+    groups = {"demo": DEMO_MODELS, "demo-wide": tuple(WIDE_MODELS)}
+    names = [m for name in args.models.split(",") for m in groups.get(name, (name,))]
     args.models = list(dict.fromkeys(names))
+    known = RANDOM_KINDS + DEMO_MODELS + tuple(WIDE_MODELS)
     for model in args.models:
-        if model not in RANDOM_KINDS + DEMO_MODELS:
-            p.error(f"unknown model {model!r}; choose from {', '.join(RANDOM_KINDS + DEMO_MODELS)} or demo")
+        if model not in known:
+            p.error(f"unknown model {model!r}; choose from {', '.join(known)}, demo or demo-wide")
     args.workloads = args.workloads.split(",")
     if any(w not in WORKLOADS for w in args.workloads):
         p.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
