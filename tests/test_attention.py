@@ -209,3 +209,49 @@ def test_prefill_chunk_after_cached_context_matches_dense(dtype, tol, heads, kv_
                                            v[ctx:].float().repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
                                            scale=D ** -0.5).transpose(0, 1)
     assert not torch.allclose(out.float(), alone, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [48, 64])  # 48: a head size the prefill kernel does not take
+def test_verify_rows_attend_as_one_token_decodes(dtype, D):
+    """A step verifying drafts attends each row of its chunk as the one-token decode step that row replaces (same
+    kernel, row r seeing its context and rows 0..r): bit for bit what plain decoding computes at that position, in a
+    step that also decodes one sequence and prefills another."""
+    from types import SimpleNamespace
+
+    from stateserve.core.batch import InputBatch
+    from stateserve.model_states.default import build_paged_attn_metadata
+
+    g, bs, heads, kv_heads = torch.Generator().manual_seed(0), 16, 4, 2
+    attn = Attention(heads, kv_heads, D, D ** -0.5, dtype)
+    attn.bind_cache(torch.zeros(24, kv_heads, bs, D, dtype=dtype), torch.zeros(24, kv_heads, bs, D, dtype=dtype))
+    reqs = [SimpleNamespace(block_ids=[0, 1], num_released_blocks=0),  # decodes: 20 cached + 1
+            SimpleNamespace(block_ids=[5, 3, 9], num_released_blocks=0),  # verifies: 33 cached + 1 + 4 drafts
+            SimpleNamespace(block_ids=[7], num_released_blocks=0)]  # prefills 7 tokens
+    for req, n in zip(reqs, (20, 33, 0)):  # the cached context
+        slots = torch.tensor([req.block_ids[p // bs] * bs + p % bs for p in range(n)], dtype=torch.long)
+        attn.write_kv(torch.randn(n, kv_heads, D, generator=g).to(dtype), torch.randn(n, kv_heads, D, generator=g)
+                      .to(dtype), slots)
+
+    def batch(context_lens, query_lens, drafts):
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return InputBatch(requests=reqs[:len(query_lens)], query_lens=query_lens, context_lens=context_lens,
+                          query_start_loc=starts, input_ids=torch.zeros(starts[-1], dtype=torch.long),
+                          positions=torch.zeros(starts[-1], dtype=torch.long), sample_indices=list(range(len(drafts))),
+                          logits_indices=torch.zeros(0, dtype=torch.long), num_drafts=drafts)
+
+    meta = build_paged_attn_metadata(batch([20, 33, 0], [1, 5, 7], [0, 4, 0]), bs, torch.device("cpu"))
+    assert meta.decode_rows.tolist() == [0, 1, 2, 3, 4, 5] and meta.prefill_seqs == [2]
+    assert meta.decode_seq_lens.tolist() == [21, 34, 35, 36, 37, 38]
+    q = torch.randn(13, heads, D, generator=g).to(dtype)
+    k, v = (torch.randn(13, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    out = attn.forward(q, k, v, meta)
+    for r in range(5):  # the verified rows, one decode step each (its key already in the cache)
+        one = build_paged_attn_metadata(batch([20, 33 + r], [1, 1], [0, 0]), bs, torch.device("cpu"))
+        assert one.is_decode_only
+        rows = torch.tensor([0, 1 + r])
+        alone = attn.forward(q[rows], k[rows], v[rows], one)
+        assert torch.equal(alone[1], out[1 + r]), r
+    assert torch.equal(alone[0], out[0])

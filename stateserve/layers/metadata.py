@@ -21,8 +21,9 @@ class AttnMetadata:
     block_tables: torch.Tensor | None = None  # [S, max_blocks] long; entries past a sequence's blocks are padding
     seq_lens_t: torch.Tensor | None = None  # [S] long, on device (decode masking)
     max_seq_len: int = 0
-    # Sequences with one new token and a cached context, handled by the decode kernel as one group:
-    decode_rows: torch.Tensor | None = None  # [Sd] long: their rows in the flat batch (== sequence index order)
+    # Rows attended as one-token decodes by the decode kernel, as one group: each row of a sequence with one new
+    # token and a cached context, and each row of a chunk verifying drafts (row r of it sees its context + r + 1 keys)
+    decode_rows: torch.Tensor | None = None  # [Sd] long: their rows in the flat batch (ascending)
     decode_block_tables: torch.Tensor | None = None  # [Sd, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # [Sd]
     decode_max_seq_len: int = 0

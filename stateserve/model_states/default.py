@@ -21,12 +21,22 @@ def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.
     tables = torch.zeros(len(batch.requests), max_blocks, dtype=torch.long)
     for i, (req, off) in enumerate(zip(batch.requests, offsets)):
         tables[i, :len(req.block_ids) - off] = torch.tensor(req.block_ids[off:], dtype=torch.long)
-    decode = [i for i, (c, q) in enumerate(zip(batch.context_lens, batch.query_lens)) if q == 1 and c > 0]
-    decode_set = set(decode)
+    # The decode group: one entry per query row attended as a one-token decode, (its row, its sequence, keys it
+    # sees). A sequence continuing by one token is one entry; a sequence verifying drafts gives one entry per row of
+    # its chunk (row r sees the context and rows 0..r), so each verified token's attention is the decode kernel's,
+    # what plain decoding computes at that position, for k + 1 reads of a context a decode step reads once (cheaper
+    # than a prefill-shaped pass over a chunk of a few rows, and the same arithmetic as not speculating).
+    verifying = set(batch.spec_seqs)
+    entries = [(batch.query_start_loc[i] + r, i, c + r + 1)
+               for i, (c, q) in enumerate(zip(batch.context_lens, batch.query_lens)) if c > 0
+               and (q == 1 or i in verifying) for r in range(q)]
+    decode_set = {i for _, i, _ in entries}
     prefill = [i for i in range(len(batch.requests)) if i not in decode_set]
+    decode = [i for _, i, _ in entries]
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.long)
     decode_t = torch.tensor(decode, dtype=torch.long)
-    rows = torch.tensor([batch.query_start_loc[i] for i in decode], dtype=torch.long)
+    decode_lens = [n for _, _, n in entries]
+    rows = torch.tensor([row for row, _, _ in entries], dtype=torch.long)
     windowed = any(offsets)
     return AttnMetadata(
         query_start_loc=batch.query_start_loc, query_lens=batch.query_lens, context_lens=batch.context_lens,
@@ -37,8 +47,8 @@ def build_paged_attn_metadata(batch: InputBatch, block_size: int, device: torch.
         max_seq_len=max(seq_lens),
         decode_rows=rows.to(device, non_blocking=True),
         decode_block_tables=tables[decode_t].to(device, non_blocking=True),
-        decode_seq_lens=seq_lens_t[decode_t].to(device, non_blocking=True),
-        decode_max_seq_len=max((seq_lens[i] for i in decode), default=0),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long).to(device, non_blocking=True),
+        decode_max_seq_len=max(decode_lens, default=0),
         prefill_seqs=prefill,
         block_offsets=offsets if windowed else None,
         decode_block_offsets=torch.tensor([offsets[i] for i in decode], dtype=torch.long).to(device)
