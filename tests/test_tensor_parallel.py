@@ -253,3 +253,26 @@ def test_ranks_share_the_cores_within_the_thread_cap(monkeypatch):
     finally:
         monkeypatch.undo()
         envs.disable_envs_cache()
+
+
+def test_an_engine_failing_before_rank_0_loads_stops_its_workers(llama, monkeypatch):
+    """The engine's start fails before rank 0 loaded the model (the workers are then inside the load's collectives,
+    not reading messages): the error reaches the caller within seconds and no worker is left."""
+    from stateserve.engine import llm_engine
+
+    original, runners = llm_engine.build_runner, []
+
+    def keep(*args, **kwargs):
+        runners.append(original(*args, **kwargs))
+        return runners[-1]
+
+    def fail_before_loading(self, config, show_progress):
+        raise RuntimeError("start failed before loading")
+
+    monkeypatch.setattr(llm_engine, "build_runner", keep)
+    monkeypatch.setattr(llm_engine.LLMEngine, "_start", fail_before_loading)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="start failed before loading"):
+        LLM(llama[1], tensor_parallel_size=2, **KW)
+    assert time.monotonic() - start < 30
+    assert runners and not any(proc.is_alive() for _, proc in runners[0]._procs)

@@ -126,6 +126,7 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             threads, self._procs = _spawn_workers(config, model_config, rdv, ranks, 0)
             self._journal: list | None = None
             self._failure: str | None = None
+            self._loaded = False  # the workers reach their message loop only past load_model's collectives
             try:
                 group = ParallelGroup.connect(rdv, 0, store)
             except BaseException:
@@ -138,6 +139,7 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
 
         def load_model(self, show_progress: bool = True) -> None:
             self._guard(lambda: super(TensorParallelRunner, self).load_model(show_progress))
+            self._loaded = True
 
         def cache_budget_bytes(self) -> int:
             """The ranks of this host share its memory: each plans with its part of the default budget."""
@@ -208,11 +210,15 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             _stop(self._procs)
 
         def shutdown(self) -> None:
-            if self.group is not None and self._failure is None and self.group.is_open:
+            if self.group is not None and self._failure is None and self.group.is_open and self._loaded:
                 try:
                     self.group.send_object(("stop",))
                 except Exception as e:  # a rank already gone: the others are killed below
                     logger.warning("tensor-parallel stop message failed: %s", e)
+            elif not self._loaded:  # the engine stopped before rank 0 loaded: the workers wait in a load collective
+                for _, proc in self._procs:
+                    if proc.is_alive():
+                        proc.kill()
             _stop(self._procs)
             if self.group is not None:
                 self.group.close()
