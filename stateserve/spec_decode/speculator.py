@@ -4,7 +4,8 @@ through the runner, the KV blocks of rejected drafts given back, blocks publishe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from stateserve.cache.manager import CacheManager
@@ -14,8 +15,9 @@ from stateserve.core.request import Request
 
 logger = logging.getLogger("stateserve")
 # Adaptive drafting: a request's recent share of accepted drafts (an exponential average) sets how many it is
-# offered; when it stays below LOW_ACCEPTANCE it stops drafting for a while, longer after each relapse, so a
-# workload that cannot benefit runs (nearly) as without speculation.
+# offered; when it stays below what its drafts cost (DraftRowCost: measured, LOW_ACCEPTANCE until then) it stops
+# drafting for a while, longer after each relapse, so a workload that cannot benefit runs (nearly) as without
+# speculation.
 RATE_WEIGHT = 0.3
 LOW_ACCEPTANCE = 0.2
 MIN_STEPS_BEFORE_PAUSE = 4
@@ -42,15 +44,46 @@ class SpecStats:
             return 0
         return max(1, min(k, round(self.rate * k) + 1))
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, break_even: float = LOW_ACCEPTANCE) -> None:
+        """One verify step's outcome; below `break_even` (the accepted share at which drafts pay for their rows)
+        the request pauses drafting."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.num_verify_steps += 1
-        self.rate = (1 - RATE_WEIGHT) * self.rate + RATE_WEIGHT * accepted / drafted
-        if self.num_verify_steps >= MIN_STEPS_BEFORE_PAUSE and self.rate < LOW_ACCEPTANCE:
+        self.rate = _ema(self.rate, accepted / drafted)
+        if self.num_verify_steps >= MIN_STEPS_BEFORE_PAUSE and self.rate < break_even:
             self.paused = min(MAX_PAUSE_STEPS, 4 << self.relapses)
             self.relapses += 1
             self.rate = 0.5  # try again with a middling offer after the pause
+
+
+@dataclass
+class DraftRowCost:
+    """What drafts add to an engine step, as a share of the same step without them, measured on this engine's own
+    steps that only decode (propose to commit: drafting, the forward, sampling, rollback): a step of n sequences
+    verifying d drafts against the recent steps of n sequences that drafted nothing, kept per d (a verify step
+    costs a fixed part, another forward path and the rollback, plus a part per row, so the cost per draft falls as d
+    grows). Each accepted draft saves a step, so d drafts pay while the accepted share exceeds `break_even(d)`, the
+    added share divided by d (LOW_ACCEPTANCE stands in until measured). A model whose verify rows are dear (a cheap
+    decode step, per-token state updates) so pauses at a higher acceptance than one whose rows ride almost free."""
+    added: dict[int, float] = field(default_factory=dict)  # drafts in the step -> recent added share of a step
+    plain_seconds: dict[int, float] = field(default_factory=dict)  # sequences -> recent seconds of a step
+
+    def record(self, num_seqs: int, drafts: int, seconds: float) -> None:
+        plain = self.plain_seconds.get(num_seqs)
+        if not drafts:
+            self.plain_seconds[num_seqs] = seconds if plain is None else _ema(plain, seconds)
+        elif plain:
+            sample = seconds / plain - 1
+            self.added[drafts] = sample if drafts not in self.added else _ema(self.added[drafts], sample)
+
+    def break_even(self, drafts: int) -> float:
+        added = self.added.get(drafts)
+        return LOW_ACCEPTANCE if added is None or drafts < 1 else min(0.9, max(0.05, added / drafts))
+
+
+def _ema(old: float, sample: float) -> float:
+    return (1 - RATE_WEIGHT) * old + RATE_WEIGHT * sample
 
 
 def _is_decoding(req: Request) -> bool:
@@ -79,6 +112,8 @@ class Speculator:
         self.runner, self.cache, self.stats = runner, cache, stats
         self.max_model_len = model_config.max_model_len
         self.proposer = proposer
+        self.row_cost = DraftRowCost()
+        self._step_start: float | None = None
         for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
             stats[key] = 0
         logger.info("Speculative decoding: %s", config.speculative_config.to_dict())
@@ -93,6 +128,7 @@ class Speculator:
         return req.spec.offer(limit) if limit > 0 else 0
 
     def propose(self, running: list[Request]) -> None:
+        self._step_start = time.perf_counter()
         decoding = [req for req in running if _is_decoding(req)]
         room = MAX_VERIFY_ROWS - len(decoding)  # draft rows left in this step
         wanted = []
@@ -107,13 +143,14 @@ class Speculator:
     def commit(self, batch: InputBatch, sched: SchedulerOutput) -> None:
         """After the step's tokens were applied: each verifying request keeps its prompt, earlier outputs and
         accepted drafts as computed tokens; the rest of what the step fed is rolled back."""
+        step_drafts = sum(batch.num_drafts)
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):  # the batch's order too
             drafts = len(req.spec_token_ids)
             if not drafts:
                 continue
             accepted = batch.num_accepted.get(i, 0)
             req.spec_token_ids = []
-            req.spec.record(drafts, accepted)
+            req.spec.record(drafts, accepted, self.row_cost.break_even(step_drafts))
             self.stats["spec_decode_num_drafts"] += 1
             self.stats["spec_decode_num_draft_tokens"] += drafts
             self.stats["spec_decode_num_accepted_tokens"] += accepted
@@ -127,6 +164,14 @@ class Speculator:
             self.runner.rollback(req, start, start + n, req.num_computed_tokens)
             self.cache.trim(req)
             self.cache.publish_blocks(req)  # (a draft model's mirror rolls back when the request next drafts)
+        self._time_step(batch)
+
+    def _time_step(self, batch: InputBatch) -> None:
+        """Feeds DraftRowCost with this step's time when every sequence in it only decoded or verified."""
+        start, self._step_start = self._step_start, None
+        drafts = sum(batch.num_drafts)
+        if start is not None and batch.num_tokens == len(batch.query_lens) + drafts and all(batch.context_lens):
+            self.row_cost.record(len(batch.query_lens), drafts, time.perf_counter() - start)
 
     def on_preempted(self, reqs: list[Request]) -> None:
         for req in reqs:
