@@ -64,8 +64,9 @@ class DraftRowCost:
     verifying d drafts against the recent steps of n sequences that drafted nothing, kept per d (a verify step
     costs a fixed part, another forward path and the rollback, plus a part per row, so the cost per draft falls as d
     grows). Each accepted draft saves a step, so d drafts pay while the accepted share exceeds `break_even(d)`, the
-    added share divided by d (LOW_ACCEPTANCE stands in until measured). A model whose verify rows are dear (a cheap
-    decode step, per-token state updates) so pauses at a higher acceptance than one whose rows ride almost free."""
+    added share divided by d, never below LOW_ACCEPTANCE (a request whose drafts all fail must still pause within a
+    few steps, and timings of small steps are noisy). A model whose verify rows are dear (a cheap decode step,
+    per-token state updates) so pauses at a higher acceptance than one whose rows ride almost free."""
     added: dict[int, float] = field(default_factory=dict)  # drafts in the step -> recent added share of a step
     plain_seconds: dict[int, float] = field(default_factory=dict)  # sequences -> recent seconds of a step
 
@@ -79,7 +80,7 @@ class DraftRowCost:
 
     def break_even(self, drafts: int) -> float:
         added = self.added.get(drafts)
-        return LOW_ACCEPTANCE if added is None or drafts < 1 else min(0.9, max(0.05, added / drafts))
+        return LOW_ACCEPTANCE if added is None or drafts < 1 else min(0.9, max(LOW_ACCEPTANCE, added / drafts))
 
 
 def _ema(old: float, sample: float) -> float:
