@@ -8,7 +8,7 @@ of the same length that repeats nothing. Each at 1 request and 16 concurrent req
 tokens. Each engine configuration runs in its own process (peers/spec_runner.py, through throughput.py's
 run_engine) under a timeout.
 
-The demo models copy real text but are too small for speculation to pay; `demo-wide` runs them in base-size
+The demo models' text is real but they are too small for speculation to pay; `demo-wide` runs them in base-size
 bodies (bench/widen_demo.py: the same logits, ~90-120M parameters of work per token).
 
     python bench/spec_decode.py [--models llama,mamba2,bamba | demo | demo-wide] [--size base|small] [--threads N]

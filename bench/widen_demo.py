@@ -1,9 +1,10 @@
 """Base-size bodies around the bundled demo models' trained function, for benchmarks that need a model whose
 output follows real text (speculative decoding's copy workload) at the cost of a ~125M model.
 
-The demo models (stateserve/assets/models) are trained, so they copy passages of their prompts, but a decode
-step of a 2M-parameter model takes under a millisecond, so per-step overheads decide every ratio. Random
-base-size models have the right cost and the wrong outputs (they copy nothing). A widened demo model has both:
+The demo models (stateserve/assets/models) are trained, so their text is real (they do not copy a passage of their
+prompt, but they repeat their own text as real text does), but a decode step of a 2M-parameter model takes under a
+millisecond, so per-step overheads decide every ratio. Random base-size models have the right cost and the wrong
+outputs (the Mamba2 and hybrid ones repeat nothing). A widened demo model has both:
 
 - Width x r (r a power of two, so 1/r is exact): every hidden-size vector is the original repeated r times
   (embeddings repeated, every norm weight repeated), so each RMS norm sees the same mean square; every

@@ -165,12 +165,11 @@ class Speculator:
             self.runner.rollback(req, start, start + n, req.num_computed_tokens)
             self.cache.trim(req)
             self.cache.publish_blocks(req)  # (a draft model's mirror rolls back when the request next drafts)
-        self._time_step(batch)
+        self._time_step(batch, step_drafts)
 
-    def _time_step(self, batch: InputBatch) -> None:
+    def _time_step(self, batch: InputBatch, drafts: int) -> None:
         """Feeds DraftRowCost with this step's time when every sequence in it only decoded or verified."""
         start, self._step_start = self._step_start, None
-        drafts = sum(batch.num_drafts)
         if start is not None and batch.num_tokens == len(batch.query_lens) + drafts and all(batch.context_lens):
             self.row_cost.record(len(batch.query_lens), drafts, time.perf_counter() - start)
 
