@@ -1,5 +1,5 @@
 """The linear kernels by row count: stateserve's few-row kernel (csrc/linear.cpp), its panel kernel
-(csrc/packed_linear.cpp) and PyTorch's F.linear, on every weight of a base-size model in turn (so the weights come
+(csrc/packed_linear.cpp; "panel-lanes": packed for batch_invariant's summation order) and PyTorch's F.linear, on every weight of a base-size model in turn (so the weights come
 from memory, as in decoding), in float32 and bfloat16. The row thresholds in stateserve/platform/kernels.py
 (MAX_ROWS_PREPACKED*) come from this kind of table.
 
@@ -26,11 +26,11 @@ from stateserve.layers.linear import PANEL_COLUMNS  # noqa: E402
 SHAPES = [(3072, 768), (768, 3072)] * 12  # [out_features, in_features] of a base model's MLPs, layer by layer
 
 
-def packed(kernels, weight: torch.Tensor) -> torch.Tensor:
+def packed(kernels, weight: torch.Tensor, lane_order: bool = False) -> torch.Tensor:
     step = 2 if weight.dtype == torch.bfloat16 else 1
     n, k = weight.shape
     out = torch.zeros(-(-n // PANEL_COLUMNS), k // step, PANEL_COLUMNS, dtype=torch.int32)
-    kernels.pack_linear_weight_(out, weight)
+    kernels.pack_linear_weight_(out, weight, lane_order)
     return out
 
 
@@ -40,6 +40,7 @@ def measure(dtype: torch.dtype, rows_list: list[int]) -> list[dict]:
         raise SystemExit("the C++ kernels did not build here: nothing to compare")
     weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
     panels = [packed(kernels, w) for w in weights] if kernels.packed_linear_supported(dtype, 768) else None
+    lane_panels = [packed(kernels, w, True) for w in weights] if panels is not None else None
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     results = []
     for rows in rows_list:
@@ -50,6 +51,9 @@ def measure(dtype: torch.dtype, rows_list: list[int]) -> list[dict]:
         if panels is not None:
             paths["panel"] = lambda: [kernels.packed_linear(xs[w.shape[1]], p, None, w.shape[0])
                                       for w, p in zip(weights, panels)]
+            # batch_invariant's layout: sums in the few-row kernel's order
+            paths["panel-lanes"] = lambda: [kernels.packed_linear(xs[w.shape[1]], p, None, w.shape[0], True)
+                                            for w, p in zip(weights, lane_panels)]
         row = {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
         for name, fn in paths.items():
             seconds = best_time(fn, min_total_s=0.3, max_reps=10)

@@ -138,6 +138,11 @@ class EngineConfig:
         None, 'speculative decoding with vLLM\'s keys (CLI: a JSON object): {"method": "ngram", '
               '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": '
               '"draft_model", "model": DIR, "num_speculative_tokens": 4}')
+    batch_invariant: bool | None = _option(None, "every float linear (CPU) sums its outputs in one order at any "
+                                                 "batch size, so a request's tokens and logprobs do not depend on "
+                                                 "what it is batched with (batched and prefill products a little "
+                                                 "slower); default: on with speculative decoding, whose verify steps "
+                                                 "must match plain decoding")
     tensor_parallel_size: int = _option(1, "ranks the model is split across (CPU, gloo; each a process with its "
                                            "share of the heads, channels and experts, of the cores and of the "
                                            "cache)")
@@ -187,6 +192,8 @@ class EngineConfig:
             bad(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            bad(f"batch_invariant must be True, False or None, got {self.batch_invariant!r}")
         # normalised once (frozen): a dict becomes a validated SpeculativeConfig or raises naming the problem
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.runner not in _RUNNERS:
@@ -218,6 +225,11 @@ class EngineConfig:
         if self.device.startswith("cuda"):
             bad("tensor_parallel_size and pipeline_parallel_size > 1 run on CPU (gloo) only so far; use "
                 "device='cpu'")
+
+    @property
+    def batch_invariant_linears(self) -> bool:
+        """batch_invariant as it applies: unset, on exactly when speculating (verify rows must sum as one row)."""
+        return self.batch_invariant if self.batch_invariant is not None else self.speculative_config is not None
 
     @property
     def world_size(self) -> int:

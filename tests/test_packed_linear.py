@@ -13,11 +13,11 @@ kernels = cpu_kernels.load()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def _packed(w: torch.Tensor) -> torch.Tensor:
+def _packed(w: torch.Tensor, lane_order: bool = False) -> torch.Tensor:
     n, k = w.shape
     step = 2 if w.dtype == torch.bfloat16 else 1
     out = torch.full((-(-n // PANEL_COLUMNS), k // step, PANEL_COLUMNS), 7, dtype=torch.int32)  # 7: stale bits
-    kernels.pack_linear_weight_(out, w)
+    kernels.pack_linear_weight_(out, w, lane_order)
     return out
 
 
@@ -31,10 +31,11 @@ def _rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tenso
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.parametrize("lane_order", [False, True], ids=["k-order", "lane-order"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,out_features,in_features", [
     (3, 1, 16), (8, 47, 64), (9, 48, 40), (17, 49, 100), (40, 130, 768), (300, 100, 96), (2, 250, 34)])
-def test_panel_kernel_matches_float64(dtype, rows, out_features, in_features):
+def test_panel_kernel_matches_float64(dtype, rows, out_features, in_features, lane_order):
     """Every rest: columns past the last full panel (1, 47, 49, 130), rows past full 8-row tiles and past the
     256-row pass (300), row chunks split across threads (few panels, many rows); rows with a stride."""
     _skip_unless(dtype, in_features)
@@ -42,27 +43,53 @@ def test_panel_kernel_matches_float64(dtype, rows, out_features, in_features):
     x = torch.randn(rows, 2 * in_features, generator=g).to(dtype)[:, ::2]
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype)
-    packed = _packed(w)
+    packed = _packed(w, lane_order)
     for bias in (None, b):
-        out = kernels.packed_linear(x, packed, bias, out_features)
+        out = kernels.packed_linear(x, packed, bias, out_features, lane_order)
         assert out.shape == (rows, out_features) and out.dtype == dtype
         assert _rel_err(out, x, w, bias) < TOL[dtype]
         assert _rel_err(out, x, -w, bias) > 0.1  # a wrong weight would be seen
 
 
+@pytest.mark.parametrize("lane_order", [False, True], ids=["k-order", "lane-order"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_panel_kernel_is_batch_invariant(dtype):
+def test_panel_kernel_is_batch_invariant(dtype, lane_order):
     """A row's outputs are bit-identical alone and in any batch: the 8-row tiles, their rests, the 256-row passes."""
     _skip_unless(dtype)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(300, 64, generator=g).to(dtype)
-    w = torch.randn(100, 64, generator=g).to(dtype)
+    x = torch.randn(300, 100, generator=g).to(dtype)
+    w = torch.randn(100, 100, generator=g).to(dtype)
     b = torch.randn(100, generator=g).to(dtype)
-    packed = _packed(w)
-    full = kernels.packed_linear(x, packed, b, 100)
+    packed = _packed(w, lane_order)
+    full = kernels.packed_linear(x, packed, b, 100, lane_order)
     for i in (0, 7, 8, 13, 255, 256, 299):
-        assert torch.equal(kernels.packed_linear(x[i:i + 1], packed, b, 100), full[i:i + 1])
-        assert torch.equal(kernels.packed_linear(x[i:i + 3], packed, b, 100)[:1], full[i:i + 1])
+        assert torch.equal(kernels.packed_linear(x[i:i + 1], packed, b, 100, lane_order), full[i:i + 1])
+        assert torch.equal(kernels.packed_linear(x[i:i + 3], packed, b, 100, lane_order)[:1], full[i:i + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [2, 16, 30, 34, 64, 100, 200, 768])
+def test_panel_kernel_sums_in_the_few_row_kernels_order(dtype, in_features):
+    """In the lane order (batch_invariant): every output bit-identical to the few-row kernel's (csrc/linear.cpp) for any number of rows: one or two
+    decoding rows take that kernel, more this one, and a request's result must not depend on which. K covers chains
+    of equal and unequal lengths (k-steps a multiple of the lanes or not, fewer k-steps than lanes); rows cover every
+    tile height and its rest; columns a partial panel; with and without bias. Checked to fail when the chains are
+    added in another order than the few-row kernel's reduction."""
+    _skip_unless(dtype, in_features)
+    if not kernels.fast_linear_supported(dtype):
+        pytest.skip(f"no few-row kernel for {dtype} here")
+    g = torch.Generator().manual_seed(in_features)
+    out_features = 113
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
+    packed = _packed(w, lane_order=True)
+    x = torch.randn(17, in_features, generator=g).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for bias in (None, b):
+        few_row = kernels.fast_linear(x, w, bias)
+        for rows in range(1, 18):
+            assert torch.equal(kernels.packed_linear(x[:rows], packed, bias, out_features, True).view(bits),
+                               few_row[:rows].view(bits)), rows
 
 
 def test_panel_kernel_rejects_what_it_cannot_do():

@@ -54,8 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_linear_supported", &fast_linear_supported, "whether fast_linear has a kernel for a dtype", nogil);
   m.def("simd_float32_lanes", &simd_float32_lanes, "float32 lanes of the build's widest vector (16, 8 or 0)", nogil);
   m.def("compiled_isa", &compiled_isa, "the instruction sets of this build: avx512_bf16, avx512, avx2 or scalar");
-  m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512 or AVX2)", nogil);
-  m.def("pack_linear_weight_", &pack_linear_weight_, "W [N, K] into packed_linear's panels, in place", nogil);
+  // lane_order: every output summed in fast_linear's order (bit-identical to it), from panels packed the same way
+  m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512 or AVX2)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("lane_order") = false, nogil);
+  m.def("pack_linear_weight_", &pack_linear_weight_, "W [N, K] into packed_linear's panels, in place",
+        py::arg("packed"), py::arg("weight"), py::arg("lane_order") = false, nogil);
   m.def("q8_0_supported", &q8_0_supported, "whether this build has the Q8_0 kernels", nogil);
   m.def("q8_0_dot_path", &q8_0_dot_path,
         "the int8 product of q8_0_linear's A8 mode here: avx512_vnni, avx512bw, avx2 or scalar", nogil);

@@ -34,9 +34,9 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 int64_t projection_outputs(const at::Tensor& weight);
 int64_t projection_inputs(const at::Tensor& weight);
 bool packed_linear_supported(c10::ScalarType dtype, int64_t in_features);
-void pack_linear_weight_(at::Tensor packed, at::Tensor weight);
-at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
-                            int64_t out_features);
+void pack_linear_weight_(at::Tensor packed, at::Tensor weight, bool lane_order);
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t out_features,
+                         bool lane_order);
 
 // ---- Q8_0 weights (quant_linear.cpp; the tiles in quant_a8.cpp and quant_exact.cpp)
 bool q8_0_supported();

@@ -1,7 +1,8 @@
 // y = x @ W^T (+ bias) for few rows of x: the shape of a decode step. W keeps nn.Linear's [N, K] layout, so
 // each output is a dot product along contiguous memory. Register tiles of MR rows of x by NR rows of W,
 // one AVX-512 accumulator per output, reduced once at the end. Every output is summed in the same order
-// whatever the number of rows, so a request's logits do not depend on what it is batched with.
+// whatever the number of rows, and packed_linear.cpp's panel kernel (more rows) sums in this order too
+// (panel_layout.h), so a request's logits do not depend on what it is batched with.
 // Why it exists: PyTorch's CPU GEMV/small-M matmul on this class of machine streams weights at well under
 // half the memory bandwidth in float32, and bfloat16 GEMV is slower still; decoding is exactly that op.
 // On AVX2-only CPUs (8-lane vectors) the same holds: the linears of a Mamba-base decode step took 19 ms here against

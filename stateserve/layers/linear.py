@@ -35,14 +35,18 @@ class FastLinear(nn.Linear):
     max_rows: int = 0
     packed: torch.Tensor | None = None  # int32 [panels, K / step, PANEL_COLUMNS]: the weight in the panel layout
     packed_from: tuple[int, int] | None = None  # (data_ptr, version) of the weight it was made from
+    # the packed copy sums every output in the few-row kernel's order (bit-identical results at any row count)
+    lane_order: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
-    def prepack(self) -> int:
+    def prepack(self, lane_order: bool | None = None) -> int:
         """Keeps a copy of the weight in the panel kernel's layout for products past the routes' max_rows_prepacked
-        rows (the few-row kernel's `max_rows` drops to that). Returns the bytes of the copy (0: no kernel for this
-        dtype or in_features here)."""
+        rows (the few-row kernel's `max_rows` drops to that); lane_order (None: as before) packs it for sums in the
+        few-row kernel's order. Returns the bytes of the copy (0: no kernel for this dtype or in_features here)."""
+        if lane_order is not None:
+            self.lane_order = lane_order
         routes, weight = self.routes, self.weight.detach()
         if routes is None or routes.pack is None or not routes.panel_takes(self.in_features):
             return 0
@@ -50,7 +54,7 @@ class FastLinear(nn.Linear):
         shape = (-(-self.out_features // PANEL_COLUMNS), self.in_features // step, PANEL_COLUMNS)
         packed = huge_pages.zeros(shape, torch.int32)
         self.packed = packed if packed is not None else torch.zeros(shape, dtype=torch.int32)
-        routes.pack(self.packed, weight)
+        routes.pack(self.packed, weight, self.lane_order)
         self.packed_from = (weight.data_ptr(), weight._version)
         if self.max_rows:
             self.max_rows = min(self.max_rows, routes.max_rows_prepacked)
@@ -72,7 +76,7 @@ class FastLinear(nn.Linear):
         elif self.packed is not None:
             if self.packed_from != (weight.data_ptr(), weight._version):
                 self.prepack()  # the weight was written or replaced since (a reload): pack it again
-            out = routes.panel(flat, self.packed, bias, self.out_features)
+            out = routes.panel(flat, self.packed, bias, self.out_features, self.lane_order)
         elif routes.onednn is not None:
             out = routes.onednn(flat.contiguous(), weight, bias, "none", [], "")
         elif routes.upcast and rows >= UPCAST_MIN_ROWS:
@@ -147,9 +151,37 @@ def linear_without_bias(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight)
 
 
-def prepack_fast_linear(model: nn.Module) -> int:
+def prepack_fast_linear(model: nn.Module, lane_order: bool = False) -> int:
     """Packs every FastLinear of the model for the panel kernel (see FastLinear.prepack); returns the bytes added."""
-    return sum(m.prepack() for m in model.modules() if isinstance(m, FastLinear))
+    return sum(m.prepack(lane_order) for m in model.modules() if isinstance(m, FastLinear))
+
+
+def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
+    """For a model whose FastLinears were prepacked in lane order (or not packed at all): every row count then
+    gives the same bits, because a layer without a packed copy takes the few-row kernel at any row count (slower
+    past 16 rows, but in the one order). Logs that (`why`: the setting's origin) and warns of what it cannot
+    cover; returns the names of the float linears left out (no few-row kernel for their dtype here: they run
+    PyTorch's matmul, whose order depends on the batch size)."""
+    from stateserve.quantization.linear import QuantLinear
+
+    stray = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FastLinear):
+            continue
+        if m.packed is None and m.routes is not None and m.routes.few_row is not None:
+            m.max_rows = 1 << 62
+        elif m.packed is None or not m.lane_order:
+            stray.append(name)
+    logger.info("Batch-invariant linears (%s): every float linear sums its outputs in one order at any batch size",
+                why)
+    if stray:
+        logger.warning("batch_invariant: %d float linears (%s) have no few-row kernel for their dtype here and run "
+                       "PyTorch's matmul, whose sums depend on the batch size", len(stray), ", ".join(stray[:3]))
+    quantized = sum(1 for m in model.modules() if isinstance(m, QuantLinear))
+    if quantized:
+        logger.warning("batch_invariant: the %d quantized projections are not covered (their batched products "
+                       "take other kernels than one row's)", quantized)
+    return stray
 
 
 def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

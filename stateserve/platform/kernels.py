@@ -76,8 +76,8 @@ class LinearRoutes:
     few_row: Kernel | None  # fast_linear(x, weight, bias)
     max_rows: int
     max_rows_prepacked: int
-    panel: Kernel | None  # packed_linear(x, packed, bias, out_features)
-    pack: Kernel | None  # pack_linear_weight_(packed, weight)
+    panel: Kernel | None  # packed_linear(x, packed, bias, out_features, lane_order)
+    pack: Kernel | None  # pack_linear_weight_(packed, weight, lane_order)
     panel_takes: Callable[[int], bool]  # whether the panel kernel takes this in_features
     onednn: Kernel | None  # mkldnn's _linear_pointwise(x, weight, bias, "none", [], "")
     upcast: bool

@@ -27,7 +27,7 @@ from stateserve.distributed.sharding import split_model
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.interface import PoolingSpec
-from stateserve.layers.linear import FastLinear, install_fast_linear, prepack_fast_linear
+from stateserve.layers.linear import FastLinear, install_fast_linear, make_batch_invariant, prepack_fast_linear
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
 from stateserve.models.loader import load_checkpoint
@@ -104,6 +104,9 @@ class ModelRunner:
             if self.engine_config.tensor_parallel_size > 1:
                 self.vocab_split = split_model(model, self.group, self.model_config.vocab_size)
         self.model = model.eval().requires_grad_(False)
+        if self.device.type != "cpu" and self.engine_config.batch_invariant:
+            raise ValueError("batch_invariant=True: the batch-invariant linears are the CPU kernels' (device "
+                             f"{self.device}); leave it unset on a GPU")
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
             huge_pages.move_parameters(self.model)
@@ -130,18 +133,24 @@ class ModelRunner:
 
     def _prepack_linears(self) -> None:
         """A second copy of the linear weights in the panel kernel's layout (batched decode 15-75% faster than
-        oneDNN at 3-64 rows), unless switched off or the copy would take over a quarter of free memory."""
-        if not envs.STATESERVE_PACK_LINEARS:
-            return
+        oneDNN at 3-64 rows), unless switched off or the copy would take over a quarter of free memory; in the
+        few-row kernel's summation order when the engine is batch-invariant."""
+        invariant = self.engine_config.batch_invariant_linears
         linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                            if isinstance(m, FastLinear))
-        if linear_bytes > _available_host_memory() // 4:
+        if not envs.STATESERVE_PACK_LINEARS:
+            pass
+        elif linear_bytes > _available_host_memory() // 4:
             logger.info("Linear weight packing skipped: the copy (%.2f GiB) would take over a quarter of free memory",
                         linear_bytes / GiB)
-            return
-        added = prepack_fast_linear(self.model)
-        if added:
-            logger.info("Linear weight packing: %.2f GiB of linear weights copied into 48-column panels", added / GiB)
+        else:
+            added = prepack_fast_linear(self.model, lane_order=invariant)
+            if added:
+                logger.info("Linear weight packing: %.2f GiB of linear weights copied into 48-column panels",
+                            added / GiB)
+        if invariant:
+            make_batch_invariant(self.model, "on" if self.engine_config.batch_invariant else
+                                 "on for speculative decoding")
 
     def _allocated_bytes(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0

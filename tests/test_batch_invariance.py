@@ -1,0 +1,117 @@
+"""A request's bfloat16 decode does not depend on what it is batched with, nor on speculation: every linear sums
+each output in one order whatever its row count (the few-row kernel of csrc/linear.cpp, which one or two decoding
+rows take, and the panel kernel of csrc/packed_linear.cpp, which more rows take, agree bit for bit), and verify
+rows attend as one-token decodes. So a request decoded alone, in a batch of six, or with drafts verified in steps
+of five rows gets the same tokens and the same logprobs, exactly. bfloat16 is where this shows: its rounding of
+every activation turns a last-bit difference in a sum into a different token after a few dozen steps."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from stateserve import LLM
+from stateserve.config import EngineConfig
+from stateserve.layers.linear import install_fast_linear, make_batch_invariant
+from stateserve.platform import cpu_kernels
+from test_bamba import _build as bamba
+from test_llama import _build as llama_or_qwen2
+from test_mamba2 import _build as mamba2
+from test_spec_decode import PROMPTS, OracleProposer, greedy, run
+
+ARCHS = {
+    # in_features 96, 192 and 200: chains of the panel kernel of unequal lengths (200 / 2 = 100 k-steps, 16 chains)
+    "llama": lambda t: llama_or_qwen2("llama", t, hidden_size=96, intermediate_size=200),
+    "mamba2": lambda t: mamba2(t, hidden_size=96, num_heads=12),
+    "bamba": lambda t: bamba(t, hidden_size=96, intermediate_size=200, mamba_n_heads=12),
+}
+ALONE = PROMPTS[:2]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _llm(path: str, **kw) -> LLM:
+    # one prefill chunk per prompt in every run: the prompts' states are then computed alike, and what is compared
+    # is the decoding
+    return LLM(path, skip_tokenizer_init=True, dtype="bfloat16", max_num_batched_tokens=512,
+               enable_prefix_caching=False, **kw)
+
+
+def _assert_identical(got, want) -> None:
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert [{t: lp.logprob for t, lp in step.items()} for step in got.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_alone_batched_and_speculative_decoding_are_bit_identical(arch, tmp_path):
+    _, path = ARCHS[arch](tmp_path)
+    with _llm(path, batch_invariant=True) as llm:
+        batched = run(llm, greedy())  # decode steps of 3-6 rows: the panel kernel
+        alone = [run(llm, greedy(), [p])[0] for p in ALONE]  # one row: the few-row kernel
+    for i, out in enumerate(alone):
+        _assert_identical(batched[i], out)
+    oracle = OracleProposer({tuple(p): o.outputs[0].token_ids for p, o in zip(ALONE, alone)}, error=0.3)
+    # batch_invariant's default with speculative decoding: on
+    with _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        llm.llm_engine.speculator.proposer = oracle
+        for prompt, out in zip(ALONE, alone):
+            _assert_identical(run(llm, greedy(), [prompt])[0], out)  # verify steps of up to five rows
+        stats = llm.llm_engine.stats
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--batch-invariant"], "Batch-invariant linears (on)"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+     "Batch-invariant linears (on for speculative decoding)"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--no-batch-invariant"], None),
+    ([], None)])
+def test_generate_says_when_linears_are_batch_invariant(flags, line):
+    """`stateserve generate` on the bundled demo model: the load log says whether the linears sum in one order, and
+    why (the flag, or speculative decoding's default); --no-batch-invariant turns the default off."""
+    env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1"}
+    env.pop("STATESERVE_CONFIGURE_LOGGING", None)
+    env.pop("STATESERVE_LOG_LEVEL", None)
+    cmd = [sys.executable, "-m", "stateserve.entrypoints.cli", "generate", "--prompt", "hi", "--max-tokens", "4",
+           "--dtype", "bfloat16", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert re.search(r"^4 tokens in ", proc.stdout, re.M), proc.stdout
+    if line is None:
+        assert "Batch-invariant linears" not in log
+    else:
+        assert line in log
+
+
+def test_batch_invariant_must_be_a_bool():
+    with pytest.raises(ValueError, match="batch_invariant must be True, False or None, got 'yes'"):
+        EngineConfig(model="m", batch_invariant="yes")
+    assert EngineConfig(model="m").batch_invariant_linears is False
+    assert EngineConfig(model="m", speculative_config={"method": "ngram", "num_speculative_tokens": 2}) \
+        .batch_invariant_linears is True
+    assert EngineConfig(model="m", batch_invariant=True).batch_invariant_linears is True
+
+
+@torch.no_grad()
+def test_a_linear_without_a_panel_copy_takes_the_few_row_kernel_at_any_row_count():
+    """Where the weights were not packed (STATESERVE_PACK_LINEARS=0, or too little memory for the copy), a
+    batch-invariant layer takes the few-row kernel at every row count instead of oneDNN past 16 rows, so its rows
+    keep one order. Checked to fail without make_batch_invariant's reroute (oneDNN's sums differ in float32)."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.fast_linear_supported(torch.float32):
+        pytest.skip("no few-row kernel here")
+    torch.manual_seed(0)
+    layer = nn.Linear(300, 70)
+    install_fast_linear(layer, torch.float32, torch.device("cpu"))
+    assert layer.packed is None and layer.max_rows <= 16
+    assert make_batch_invariant(layer, "on") == []
+    x = torch.randn(40, 300)
+    full = layer(x)
+    for rows in (1, 3, 17, 39):
+        assert torch.equal(layer(x[:rows]), full[:rows])
