@@ -1,7 +1,7 @@
 """A request's bfloat16 decode does not depend on what it is batched with, nor on speculation: every linear sums
 each output in one order whatever its row count (the few-row kernel of csrc/linear.cpp, which one or two decoding
-rows take, and the panel kernel of csrc/packed_linear.cpp, which more rows take, agree bit for bit), and verify
-rows attend as one-token decodes. So a request decoded alone, in a batch of six, or with drafts verified in steps
+rows take, and the panel kernel of csrc/packed_linear.cpp, which more rows take, agree bit for bit; MoE experts,
+which get any number of tokens, take the few-row kernel), and verify rows attend as one-token decodes. So a request decoded alone, in a batch of six, or with drafts verified in steps
 of five rows gets the same tokens and the same logprobs, exactly. bfloat16 is where this shows: its rounding of
 every activation turns a last-bit difference in a sum into a different token after a few dozen steps."""
 from __future__ import annotations
@@ -20,8 +20,10 @@ from stateserve.config import EngineConfig
 from stateserve.layers.linear import install_fast_linear, make_batch_invariant
 from stateserve.platform import cpu_kernels
 from test_bamba import _build as bamba
+from test_jamba import _build as jamba
 from test_llama import _build as llama_or_qwen2
 from test_mamba2 import _build as mamba2
+from test_qwen3_next import _build as qwen3_next
 from test_spec_decode import PROMPTS, OracleProposer, greedy, run
 
 ARCHS = {
@@ -29,6 +31,8 @@ ARCHS = {
     "llama": lambda t: llama_or_qwen2("llama", t, hidden_size=96, intermediate_size=200),
     "mamba2": lambda t: mamba2(t, hidden_size=96, num_heads=12),
     "bamba": lambda t: bamba(t, hidden_size=96, intermediate_size=200, mamba_n_heads=12),
+    "jamba": lambda t: jamba(t, hidden_size=96, intermediate_size=200),  # Mamba1 + MoE
+    "qwen3_next": lambda t: qwen3_next(t, hidden_size=96, intermediate_size=200),  # gated delta net + MoE
 }
 ALONE = PROMPTS[:2]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -162,10 +162,18 @@ def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
     past 16 rows, but in the one order). Logs that (`why`: the setting's origin) and warns of what it cannot
     cover; returns the names of the float linears left out (no few-row kernel for their dtype here: they run
     PyTorch's matmul, whose order depends on the batch size)."""
+    from stateserve.layers.moe import ExpertMatrices
     from stateserve.quantization.linear import QuantLinear
 
     stray = []
     for name, m in model.named_modules():
+        if isinstance(m, ExpertMatrices) and m.expert_matrices():
+            dtype = next(iter(m.expert_matrices().values())).dtype
+            routes = kernels.table(next(iter(m.expert_matrices().values())).device).linear(dtype)
+            if routes is not None and routes.few_row is not None:
+                m.invariant_product = routes.few_row
+            else:
+                stray.append(name + " (experts)")
         if not isinstance(m, FastLinear):
             continue
         if m.packed is None and m.routes is not None and m.routes.few_row is not None:

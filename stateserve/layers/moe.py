@@ -69,6 +69,10 @@ class ExpertMatrices:
     module per expert (a QuantLinear each: the float matrix is freed; a matrix whose K fits no format stays float);
     `expert_linear` is x @ W_e.T either way. A layer calls `init_expert_products()` in its __init__."""
 
+    # batch_invariant (layers/linear.make_batch_invariant): the few-row kernel for every float expert product, so
+    # an expert's rows are summed in one order whatever number of tokens it gets (F.linear's order depends on it)
+    invariant_product: Callable[..., torch.Tensor] | None = None
+
     def init_expert_products(self) -> None:
         self.expert_products: nn.ModuleDict | None = None
 
@@ -90,6 +94,8 @@ class ExpertMatrices:
         """x [n, K] @ W_e.T -> [n, N]; matrices: expert_matrices() (the float ones)."""
         if self.expert_products is not None and name in self.expert_products:
             return self.expert_products[name][e](x)
+        if self.invariant_product is not None:
+            return self.invariant_product(x, matrices[name][e], None)
         return F.linear(x, matrices[name][e])
 
 
