@@ -132,6 +132,50 @@ def test_a_module_built_for_one_cpu_is_not_loaded_on_another(tmp_path, monkeypat
     assert load_on(CPU_AVX512)[0] == module_a  # and back: the first folder is still there and still used
 
 
+def test_the_content_key_follows_the_sources_not_where_they_are(tmp_path):
+    """A kept build is found by the bytes of the sources and the flags: two copies of the sources in two places
+    give one key (a fresh clone reuses the build), a changed byte of a header or another flag another."""
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stateserve", "csrc")
+    copies = []
+    for place in ("a", "b"):
+        shutil.copytree(csrc, tmp_path / place / "csrc")
+        folder = tmp_path / place / "csrc"
+        copies.append(([str(folder / "linear.cpp"), str(folder / "bindings.cpp")],
+                       sorted(str(p) for p in folder.glob("*.h"))))
+    flags = ["-O3", "-march=native"]
+    key = cpu_kernels.content_key(*copies[0], flags)
+    assert cpu_kernels.content_key(*copies[1], flags) == key
+    assert cpu_kernels.content_key(*copies[1], [*flags, "-mno-avx512f"]) != key
+    header = tmp_path / "b" / "csrc" / "simd.h"
+    header.write_bytes(header.read_bytes() + b" ")
+    assert cpu_kernels.content_key(*copies[1], flags) != key
+
+
+def test_a_fresh_clone_loads_the_kept_build_without_compiling(tmp_path):
+    """A build of the same sources kept under the cache folder is loaded as it is: no minutes in the compiler for
+    a fresh clone whose files only have newer modification times. (Here: this process's module placed where a
+    new cache folder keeps it; a second process loads it, says from where, and its kernels run.)"""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    env = {**os.environ, "STATESERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("STATESERVE_CPU_ISA", None)
+    if envs.STATESERVE_CPU_ISA != "native":
+        pytest.skip("runs from the native build's suite")
+    kept = cpu_kernels.kept_build(str(tmp_path))
+    os.makedirs(os.path.dirname(kept))
+    shutil.copyfile(module.__file__, kept)
+    run = subprocess.run([sys.executable, "-c", (
+        "import torch\nfrom stateserve.platform import cpu_kernels\n"
+        "m = cpu_kernels.load()\nprint(m.__file__)\n"
+        "print(m.fast_linear(torch.ones(1, 4), torch.ones(2, 4), None).tolist())\n")],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = run.stdout + run.stderr
+    assert run.stdout.splitlines()[-2:] == [kept, "[[4.0, 4.0]]"], log
+    assert "compiling" not in log and f"the build of these sources in {os.path.dirname(kept)}" in log
+
+
 def test_two_checkouts_build_into_two_folders():
     """torch's builder writes the sources' absolute paths into its build file: a checkout sharing another's folder
     would find that build stale and recompile it on every start, each undoing the other's."""

@@ -6,11 +6,17 @@ sends every operation to PyTorch.
 The module is compiled with -march=native, so it runs only on CPUs with the instruction sets of the one that built it.
 The cache folder is therefore keyed on the CPU too: a home directory shared by machines of different CPUs (NFS, a
 container image built on another host) holds one build per CPU instead of handing one CPU another's module, which
-would die with SIGILL at its first unknown instruction."""
+would die with SIGILL at its first unknown instruction.
+
+Each finished build is also kept under the hash of everything that made it (`content_key`: the sources' and
+headers' bytes, the flags, the CPU's features, the compiler, torch): a fresh clone or another checkout of the same
+sources loads it instead of compiling for minutes again (torch's builder would: its build file holds the sources'
+paths and decides by their modification times, which every clone renews)."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -82,6 +88,48 @@ def build_tag(csrc: str | None = None) -> tuple[str, str]:
     return digest.hexdigest() + ("" if variant == "native" else f"-{variant}"), isa
 
 
+def content_key(sources: list[str], headers: list[str], flags: list[str]) -> str:
+    """The hash of everything a build's module depends on, and nothing of where the sources are: their bytes (by
+    file name), the compiler flags, the machine, the CPU's features, the compiler and torch."""
+    import torch
+
+    digest = hashlib.blake2b(digest_size=10)
+    for part in (platform.machine(), cpu_features(), _compiler_version(), torch.__version__, *flags):
+        digest.update(part.encode() + b"\0")
+    for path in sorted([*sources, *headers], key=os.path.basename):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return digest.hexdigest()
+
+
+def _import_module(path: str):
+    spec = importlib.util.spec_from_file_location("stateserve_cpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+KEPT_BUILDS = 16  # builds kept by content (~1.5 MB each); the least recently made go first
+
+
+def _keep_by_content(module, kept: str) -> None:
+    """Copies a module torch built to `kept` (written aside, then renamed: a reader never sees half a file), and
+    drops the oldest kept builds past KEPT_BUILDS (a loaded module stays mapped where its file is removed)."""
+    built = getattr(module, "__file__", None)
+    if not built or not os.path.isfile(built) or os.path.exists(kept):
+        return
+    import shutil
+
+    os.makedirs(os.path.dirname(kept), exist_ok=True)
+    partial = f"{kept}.{os.getpid()}.partial"
+    shutil.copyfile(built, partial)
+    os.replace(partial, kept)
+    root = os.path.dirname(os.path.dirname(kept))
+    entries = sorted((os.path.join(root, n) for n in os.listdir(root)), key=os.path.getmtime, reverse=True)
+    for old in entries[KEPT_BUILDS:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _build_folder_lock(build_dir: str):
     """One builder per folder at a time, held by the kernel (flock): a process killed mid-build releases it, where
@@ -113,41 +161,66 @@ def load():
     with _lock:
         if _module is None and not _failed:
             try:
-                from torch.utils.cpp_extension import load as build
-
-                csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
-                sources = [os.path.join(csrc, name) for name in _SOURCES]
-                tag, isa = build_tag()
-                variant = envs.STATESERVE_CPU_ISA
-                if variant != "native" and platform.machine() not in ("x86_64", "AMD64"):
-                    raise RuntimeError(f"STATESERVE_CPU_ISA={variant} is for x86-64 CPUs")
-                build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels", tag)
-                os.makedirs(build_dir, exist_ok=True)
-                logger.info("CPU kernels for %s (%s)%s in %s", isa, platform.machine(),
-                            "" if variant == "native" else f", built for {variant} only", build_dir)
-                # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
-                header_paths = sorted(os.path.join(csrc, n) for n in os.listdir(csrc) if n.endswith(".h"))
-                digest = hashlib.blake2b(digest_size=8)
-                for path in header_paths:
-                    with open(path, "rb") as f:
-                        digest.update(f.read())
-                header = digest.hexdigest()
-                built = os.path.join(build_dir, "stateserve_cpu_kernels.so")
-                newest = max(os.path.getmtime(p) for p in [*sources, *header_paths])
-                if not os.path.exists(built) or os.path.getmtime(built) < newest:
-                    # the first run of a fresh checkout sits here for minutes; say why
-                    logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
-                                   "once per change of the sources and per kind of CPU)", build_dir)
-                with _build_folder_lock(build_dir):
-                    _module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
-                                    # the tag is a flag as well: torch's own check then rebuilds a folder that
-                                    # another CPU's build reached by any other way
-                                    extra_cflags=["-O3", "-march=native", *ISA_FLAGS[variant], "-fopenmp",
-                                                  f"-DSTATESERVE_SIMD_H={header}",
-                                                  f"-DSTATESERVE_CPU_TAG={tag.replace('-', '_')}"],
-                                    extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+                _module = _load_or_build()
             except Exception as e:  # any build problem: run the PyTorch path instead
                 _failed = True
                 logger.warning("CPU kernels unavailable (%s); using the PyTorch fallback", e)
     return _module
+
+
+def kept_build(cache_dir: str) -> str:
+    """Where a build of this checkout's sources, for this machine and STATESERVE_CPU_ISA, is kept under a cache
+    folder (whether it exists or not)."""
+    variant = envs.STATESERVE_CPU_ISA
+    sources, headers, flags = _build_inputs()
+    return os.path.join(os.path.expanduser(cache_dir), "cpu_kernels", "by-content",
+                        content_key(sources, headers, flags) + ("" if variant == "native" else f"-{variant}"),
+                        "stateserve_cpu_kernels.so")
+
+
+def _build_inputs() -> tuple[list[str], list[str], list[str]]:
+    """(sources, headers, compiler flags but the folder's tag)."""
+    csrc = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+    sources = [os.path.join(csrc, name) for name in _SOURCES]
+    headers = sorted(os.path.join(csrc, n) for n in os.listdir(csrc) if n.endswith(".h"))
+    # torch rebuilds when a source or a flag changes, not a header: the headers' hash is a flag
+    digest = hashlib.blake2b(digest_size=8)
+    for path in headers:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    flags = ["-O3", "-march=native", *ISA_FLAGS[envs.STATESERVE_CPU_ISA], "-fopenmp",
+             f"-DSTATESERVE_SIMD_H={digest.hexdigest()}"]
+    return sources, headers, flags
+
+
+def _load_or_build():
+    from torch.utils.cpp_extension import load as build
+
+    tag, isa = build_tag()
+    variant = envs.STATESERVE_CPU_ISA
+    if variant != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"STATESERVE_CPU_ISA={variant} is for x86-64 CPUs")
+    sources, header_paths, flags = _build_inputs()
+    build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels", tag)
+    suffix = "" if variant == "native" else f", built for {variant} only"
+    kept = kept_build(envs.STATESERVE_CACHE_DIR)
+    if os.path.isfile(kept):
+        logger.info("CPU kernels for %s (%s)%s: the build of these sources in %s", isa, platform.machine(), suffix,
+                    os.path.dirname(kept))
+        return _import_module(kept)
+    os.makedirs(build_dir, exist_ok=True)
+    logger.info("CPU kernels for %s (%s)%s in %s", isa, platform.machine(), suffix, build_dir)
+    built = os.path.join(build_dir, "stateserve_cpu_kernels.so")
+    newest = max(os.path.getmtime(p) for p in [*sources, *header_paths])
+    if not os.path.exists(built) or os.path.getmtime(built) < newest:
+        # the first run of a fresh checkout sits here for minutes; say why
+        logger.warning("compiling stateserve's CPU kernels into %s (about 2 minutes on 2 cores, "
+                       "once per change of the sources and per kind of CPU)", build_dir)
+    with _build_folder_lock(build_dir):
+        # the tag is a flag as well: torch's own check then rebuilds a folder that another CPU's build reached by
+        # any other way
+        module = build(name="stateserve_cpu_kernels", sources=sources, build_directory=build_dir,
+                       extra_cflags=[*flags, f"-DSTATESERVE_CPU_TAG={tag.replace('-', '_')}"],
+                       extra_ldflags=["-fopenmp"], verbose=False)
+    _keep_by_content(module, kept)
+    return module
