@@ -331,3 +331,43 @@ def _close_bf16_state(got: torch.Tensor, full: torch.Tensor) -> None:
     step = full.abs().clamp_min(1e-30) * 2.0 ** -7
     assert ((got.float() - full).abs() <= step).all()
     assert (got == full.to(torch.bfloat16)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn-decay-per-head", "kda-decay-per-key"])
+@pytest.mark.parametrize("dk,dv", [(8, 12), (16, 32), (3, 17)])
+def test_delta_rule_decode_step_matches_float64(per_channel, dk, dv):
+    """csrc/delta_rule_update.cpp against the delta rule in float64: the states at the given slots updated in place
+    (the others untouched), the output q^T S. Bound: each output and state element is a sum of Dk products of
+    values rounded once or twice, so |error| <= 4 (Dk + 4) u times the same sum over absolute values (u = 2^-24).
+    Checked to fail with the two passes' roles swapped (the output read from the state before its update)."""
+    from stateserve.layers.delta_rule import delta_rule_step
+
+    g = torch.Generator().manual_seed(dk * 100 + dv + per_channel)
+    slots_total, S, H = 7, 3, 4
+    state = torch.randn(slots_total, H, dk, dv, generator=g)
+    slots = torch.tensor([5, 0, 3])
+    q, k = (torch.nn.functional.normalize(torch.randn(S, H, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(S, H, dv, generator=g)
+    decay = torch.rand(S, H, *((dk,) if per_channel else ()), generator=g) * 0.5 + 0.5
+    beta = torch.rand(S, H, generator=g)
+    # float64 reference, and the same sums over absolute values
+    d = decay.double()[..., None, None] if not per_channel else decay.double().unsqueeze(-1)
+    ref_state = state.double()[slots] * d
+    mag_state = ref_state.abs()
+    delta = (v.double() - torch.einsum("shk,shkv->shv", k.double(), ref_state)) * beta.double()[..., None]
+    mag_delta = (v.double().abs() + torch.einsum("shk,shkv->shv", k.double().abs(), mag_state))
+    ref_state = ref_state + k.double()[..., None] * delta[..., None, :]
+    mag_state = mag_state + k.double().abs()[..., None] * mag_delta[..., None, :]
+    ref_out = torch.einsum("shk,shkv->shv", q.double(), ref_state)
+    mag_out = torch.einsum("shk,shkv->shv", q.double().abs(), mag_state)
+    untouched = state[[1, 2, 4, 6]].clone()
+    out = delta_rule_step(state, slots, q, k, v, decay, beta)
+    u = 2.0 ** -24
+    assert out.shape == (S, H, dv) and out.dtype == torch.float32
+    assert ((out.double() - ref_out).abs() <= 4 * (dk + 4) * u * mag_out + 1e-30).all()
+    assert ((state[slots].double() - ref_state).abs() <= 4 * (dk + 4) * u * mag_state + 1e-30).all()
+    assert torch.equal(state[[1, 2, 4, 6]], untouched)
+    # the kernel ran (not the PyTorch path): its module function is what the table serves for float32 states
+    from stateserve.platform import kernels as table
+
+    assert table.table().delta_rule_decode(torch.float32) is kernels.delta_rule_decode_

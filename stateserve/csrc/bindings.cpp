@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_decode_", &decoder_layer_decode_,
         "Llama-style decoder layer decode (norms, attention over the paged cache, SwiGLU MLP), few-row kernels",
         nogil);
+  m.def("delta_rule_decode_", &delta_rule_decode_, "one delta-rule decode step (gated delta net, KDA) on the "
+        "float32 states at slots, in place; returns q^T S", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);

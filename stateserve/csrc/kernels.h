@@ -105,6 +105,9 @@ std::vector<at::Tensor> ssd_scan_fwd(at::Tensor x, at::Tensor dt, at::Tensor A, 
                                         at::Tensor C, c10::optional<at::Tensor> D,
                                         c10::optional<at::Tensor> h0, std::vector<int64_t> offsets);
 
+// ---- delta rule (delta_rule_update.cpp): one decode step of the gated delta net / KDA on the states in place
+at::Tensor delta_rule_decode_(at::Tensor state, at::Tensor slots, at::Tensor q, at::Tensor k, at::Tensor v,
+                              at::Tensor decay, at::Tensor beta);
 // ---- whole layers' decode steps in one call (ssm_update.cpp, mamba1_update.cpp, decoder_layer.cpp)
 at::Tensor mamba2_mixer_decode_(at::Tensor x, at::Tensor conv_state, at::Tensor ssm_state,
                                    at::Tensor slots, at::Tensor in_weight, c10::optional<at::Tensor> in_bias,

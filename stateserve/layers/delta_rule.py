@@ -18,6 +18,7 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
+from stateserve.platform import kernels
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
                                          mixed_step, zero_fresh_slots)
 
@@ -25,6 +26,24 @@ from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, ca
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # the FLA / transformers convention: x * rsqrt(sum(x^2) + eps)
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_rule_step(ssm_state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One decode token of the delta rule on the states at `slots` ([num_slots, H, Dk, Dv]), in place: S <- S * decay,
+    S <- S + k ((v - k^T S) * beta)^T; returns q^T S [S, H, Dv] float32. q, k [S, H, Dk], v [S, H, Dv], beta [S, H]
+    float32; decay [S, H] (one factor per head: the gated delta net) or [S, H, Dk] (per key channel: KDA). The C++
+    kernel on float32 states (csrc/delta_rule_update.cpp: two passes over each state), else PyTorch."""
+    kernel = kernels.table(ssm_state.device).delta_rule_decode(ssm_state.dtype)
+    if kernel is not None and ssm_state.is_contiguous():
+        return kernel(ssm_state, slots, q.contiguous(), k.contiguous(), v.contiguous(), decay.contiguous(),
+                      beta.contiguous())
+    state = ssm_state[slots] * (decay[..., None, None] if decay.dim() == 2 else decay.unsqueeze(-1))
+    predicted = torch.einsum("shk,shkv->shv", k, state)
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    ssm_state.index_copy_(0, slots, state)
+    return torch.einsum("shk,shkv->shv", q, state)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -232,12 +251,7 @@ class GatedDeltaNet(StatefulLayer):
         y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, float_accumulate=True,
                                  taps=self.conv_taps())
         q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b, a)  # [S, Hv, ...]
-        state = ssm_state[slots] * g.exp()[..., None, None]  # [S, Hv, Dk, Dv]
-        predicted = torch.einsum("shk,shkv->shv", k, state)
-        delta = (v - predicted) * beta.unsqueeze(-1)
-        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-        core = torch.einsum("shk,shkv->shv", q, state)
-        ssm_state.index_copy_(0, slots, state)
+        core = delta_rule_step(ssm_state, slots, q, k, v, g.exp(), beta)  # decay per head
         for i, _off, dst in meta.checkpoints:  # a decode chunk is one token: the snapshot is the new state
             conv_state[dst] = conv_state[slots[i]]
             ssm_state[dst] = ssm_state[slots[i]]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.cache.spec import StateSpec
-from stateserve.layers.delta_rule import l2norm
+from stateserve.layers.delta_rule import delta_rule_step, l2norm
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
@@ -213,12 +213,7 @@ class KimiDeltaAttention(StatefulLayer):
         y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, float_accumulate=True,
                                  taps=self.conv_taps())
         q, k, v = self._qkv(self.act(y).to(mixed.dtype))
-        state = ssm_state[slots] * g.exp().unsqueeze(-1)  # [S, H, Dk, Dv], each key channel decayed
-        predicted = torch.einsum("shk,shkv->shv", k, state)
-        delta = (v - predicted) * beta.unsqueeze(-1)
-        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-        core = torch.einsum("shk,shkv->shv", q, state)
-        ssm_state.index_copy_(0, slots, state)
+        core = delta_rule_step(ssm_state, slots, q, k, v, g.exp(), beta)  # each key channel decayed
         for i, _off, dst in meta.checkpoints:  # a decode chunk is one token: the snapshot is the new state
             conv_state[dst] = conv_state[slots[i]]
             ssm_state[dst] = ssm_state[slots[i]]

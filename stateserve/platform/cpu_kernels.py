@@ -34,7 +34,7 @@ _SOURCES = ("bindings.cpp", "kv_cache_write.cpp", "paged_attention.cpp", "prefil
             "gated_norm.cpp", "selective_scan.cpp", "ssd_scan.cpp", "decoder_layer.cpp", "quant_linear.cpp",
             "quant_a8.cpp", "quant_exact.cpp", "quant_activations.cpp", "quant_q4_linear.cpp", "quant_q4_a8.cpp",
             "quant_q4_exact.cpp", "quant_q6k_linear.cpp", "quant_q6k_a8.cpp", "quant_q6k_exact.cpp", "projection.cpp",
-            "quant_q4k_quantize.cpp")
+            "quant_q4k_quantize.cpp", "delta_rule_update.cpp")
 # STATESERVE_CPU_ISA: the flags that take instruction sets away from -march=native, so that this machine builds (in
 # a folder of its own) and tests the paths of a CPU with fewer: AVX-512 without its bfloat16 and VNNI instructions
 # (Skylake-SP), AVX2 (Zen 3, Intel client cores), none (the portable loops). x86-64 only; csrc/isa.h names what a

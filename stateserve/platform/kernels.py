@@ -106,6 +106,7 @@ class KernelTable:
     # update (ssm state, u, dt, B, C, z)
     conv_prefill: Op
     conv_update: Op
+    delta_rule_decode: Op  # (ssm state): the gated delta net's / KDA's decode step on float32 states
     ssd_update: Op
     mamba2_decode: Op
     ssd_scan: Op
@@ -218,6 +219,7 @@ def build(module: Any | None, *, onednn: bool = True) -> KernelTable:
         dt_softplus=op("dt_softplus", "dt_softplus", floats),
         conv_prefill=op("conv_prefill", "conv1d_prefill", same(2, *floats)),
         conv_update=op("conv_update", "conv1d_update_", same(3, f32, bf16, f64)),
+        delta_rule_decode=op("delta_rule_decode", "delta_rule_decode_", [f32]),
         ssd_update=op("ssd_update", "ssd_state_update_", floats),
         mamba2_decode=op("mamba2_decode", "mamba2_decode_", [(d,) * 4 + (s,) for d, s in model_state]),
         ssd_scan=op("ssd_scan", "ssd_scan_fwd", None),  # its inputs are made float32 first
