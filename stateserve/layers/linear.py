@@ -168,10 +168,8 @@ def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
     stray = []
     for name, m in model.named_modules():
         if isinstance(m, ExpertMatrices) and m.expert_matrices():
-            dtype = next(iter(m.expert_matrices().values())).dtype
-            routes = kernels.table(next(iter(m.expert_matrices().values())).device).linear(dtype)
-            if routes is not None and routes.few_row is not None:
-                m.invariant_product = routes.few_row
+            if m.few_row_product is not None:
+                m.few_row_rows = 1 << 62
             else:
                 stray.append(name + " (experts)")
         if not isinstance(m, FastLinear):
@@ -202,8 +200,12 @@ def install_fast_linear(model: nn.Module, dtype: torch.dtype, device: torch.devi
         logger.warning("this CPU (%s) has no fast bfloat16 matmul: bfloat16 linears of %d rows or more compute in "
                        "float32 (converting the weight each call), fewer rows in bfloat16; dtype='float32' is "
                        "faster here", torch.backends.cpu.get_cpu_capability(), UPCAST_MIN_ROWS)
+    from stateserve.layers.moe import ExpertMatrices
+
     count = 0
     for module in model.modules():
+        if isinstance(module, ExpertMatrices) and routes.few_row is not None:
+            module.few_row_product, module.few_row_rows = routes.few_row, routes.max_rows
         # exact type: subclasses of nn.Linear may carry their own forward
         if type(module) is nn.Linear and module.weight.dtype == dtype and module.weight.is_contiguous():
             module.__class__ = FastLinear

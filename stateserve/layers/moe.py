@@ -69,9 +69,12 @@ class ExpertMatrices:
     module per expert (a QuantLinear each: the float matrix is freed; a matrix whose K fits no format stays float);
     `expert_linear` is x @ W_e.T either way. A layer calls `init_expert_products()` in its __init__."""
 
-    # batch_invariant (layers/linear.make_batch_invariant): the few-row kernel for every float expert product, so
-    # an expert's rows are summed in one order whatever number of tokens it gets (F.linear's order depends on it)
-    invariant_product: Callable[..., torch.Tensor] | None = None
+    # The few-row kernel (csrc/linear.cpp) for float expert products of at most `few_row_rows` rows, set at load by
+    # layers/linear.install_fast_linear: a decode step gives each expert a few tokens, which F.linear multiplies at
+    # ~60 us a call in bfloat16 (Kimi Linear's experts). batch_invariant raises the limit to every row count, so an
+    # expert's rows are summed in one order whatever number of tokens it gets (F.linear's order depends on it).
+    few_row_product: Callable[..., torch.Tensor] | None = None
+    few_row_rows: int = 0
 
     def init_expert_products(self) -> None:
         self.expert_products: nn.ModuleDict | None = None
@@ -94,9 +97,10 @@ class ExpertMatrices:
         """x [n, K] @ W_e.T -> [n, N]; matrices: expert_matrices() (the float ones)."""
         if self.expert_products is not None and name in self.expert_products:
             return self.expert_products[name][e](x)
-        if self.invariant_product is not None:
-            return self.invariant_product(x, matrices[name][e], None)
-        return F.linear(x, matrices[name][e])
+        weight = matrices[name][e]
+        if x.shape[0] <= self.few_row_rows and x.dtype == weight.dtype and not torch.is_grad_enabled():
+            return self.few_row_product(x, weight, None)
+        return F.linear(x, weight)
 
 
 def split_fused_experts(name: str, tensor: torch.Tensor, layout: str) -> Iterable[tuple[str, torch.Tensor]] | None:
