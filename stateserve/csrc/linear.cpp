@@ -46,9 +46,19 @@ constexpr int kWideNR = 8;
 // its prefetch is faster (bfloat16, 8 rows: 21 vs 16 GB/s; 16 rows: 16 vs 10.5).
 constexpr int kRowByRowMaxMR = 2;
 #if SS_HAS_AVX512
-// The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of
-// _mm512_reduce_add_ps (halves, then quarters, then the 4 lanes as (l0 + l2) + (l1 + l3)), which the tiles of
-// several rows use: a row's outputs do not depend on which path computed them. One transpose-and-add tree
+// The sum of v's 16 lanes: halves (l_i + l_(i+8)), then quarters (+ 4 apart), then the 4 lanes as
+// (l0 + l2) + (l1 + l3). Spelled out rather than left to the compiler's _mm512_reduce_add_ps (GCC's is this tree,
+// but no header promises an order): the panel kernel's lane order (panel_layout.h) reproduces exactly this tree.
+inline float reduce_add16(__m512 v) {
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));  // [q0 + q2, q1 + q3, ...]
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+// The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of reduce_add16,
+// which the tiles of several rows use: a row's outputs do not depend on which path computed them. One transpose-and-add tree
 // instead of 8 separate reductions: with one row of x (12 KB of bfloat16 W per 8 rows at K = 768) the 8
 // reductions and scalar stores were ~15% of the tile's instructions, and the kernel issues its loads that much
 // later.
@@ -131,7 +141,7 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
     return;
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[j] : 0.f);
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = reduce_add16(acc[i][j]) + (bias ? bias[j] : 0.f);
 }
 #endif
 
@@ -194,7 +204,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const float b = bias ? static_cast<float>(bias[j]) : 0.f;
-      out[i * ldo + j] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[i][j]) + b);
+      out[i * ldo + j] = static_cast<at::BFloat16>(reduce_add16(acc[i][j]) + b);
     }
 }
 #endif

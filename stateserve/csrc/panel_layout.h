@@ -13,7 +13,7 @@ constexpr int64_t kPanel = 48;  // output columns per panel
 // decoding alone, the same request batched, the rows of a verify step): there, each output is kChains partial chains (chain j: the k-steps s = j, j + kChains, j + 2 kChains, ...
 // in order, a vector lane each) added up by a fixed tree at the end. Here each chain runs on its own (its words
 // packed contiguously, one after the other in kChainOrder) with outputs in the lanes, and the tree is the same:
-// the few-row reductions (_mm512_reduce_add_ps and linear.cpp's reduce8_ps on AVX-512, reduce8_ps on AVX2) are
+// the few-row reductions (linear.cpp's reduce_add16 and reduce8_ps on AVX-512, reduce8_ps on AVX2) are
 // perfect binary trees over the lanes taken in kChainOrder (bit-reversed on AVX-512, natural on AVX2).
 #if SS_HAS_AVX512
 constexpr int kChains = 16;
