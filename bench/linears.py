@@ -1,6 +1,7 @@
 """The linear kernels by row count: stateserve's few-row kernel (csrc/linear.cpp), its panel kernel
-(csrc/packed_linear.cpp; "panel-lanes": packed for batch_invariant's summation order) and PyTorch's F.linear, on every weight of a base-size model in turn (so the weights come
-from memory, as in decoding), in float32 and bfloat16. The row thresholds in stateserve/platform/kernels.py
+(csrc/packed_linear.cpp; "panel-lanes": packed for batch_invariant's summation order) and PyTorch's F.linear, on
+every weight of a base-size model in turn (so the weights come from memory, as in decoding), in float32 and
+bfloat16. The row thresholds in stateserve/platform/kernels.py
 (MAX_ROWS_PREPACKED*) come from this kind of table.
 
     python bench/linears.py [--dtypes float32,bfloat16] [--rows 1,2,4,6,8,16] [--threads N] [--json FILE]

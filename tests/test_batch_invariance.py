@@ -1,8 +1,9 @@
 """A request's bfloat16 decode does not depend on what it is batched with, nor on speculation: every linear sums
 each output in one order whatever its row count (the few-row kernel of csrc/linear.cpp, which one or two decoding
 rows take, and the panel kernel of csrc/packed_linear.cpp, which more rows take, agree bit for bit; MoE experts,
-which get any number of tokens, take the few-row kernel), and verify rows attend as one-token decodes. So a request decoded alone, in a batch of six, or with drafts verified in steps
-of five rows gets the same tokens and the same logprobs, exactly. bfloat16 is where this shows: its rounding of
+which get any number of tokens, take the few-row kernel), and verify rows attend as one-token decodes. So a request
+decoded alone, in a batch of six, or with drafts verified in steps of five rows gets the same tokens and the same
+logprobs, exactly. bfloat16 is where this shows: its rounding of
 every activation turns a last-bit difference in a sum into a different token after a few dozen steps."""
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ def test_panel_kernel_is_batch_invariant(dtype, lane_order):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features", [2, 16, 30, 34, 64, 100, 200, 768])
 def test_panel_kernel_sums_in_the_few_row_kernels_order(dtype, in_features):
-    """In the lane order (batch_invariant): every output bit-identical to the few-row kernel's (csrc/linear.cpp) for any number of rows: one or two
-    decoding rows take that kernel, more this one, and a request's result must not depend on which. K covers chains
+    """In the lane order (batch_invariant): every output bit-identical to the few-row kernel's (csrc/linear.cpp) for
+    any number of rows: one or two decoding rows take that kernel, more this one, and a request's result must not depend on which. K covers chains
     of equal and unequal lengths (k-steps a multiple of the lanes or not, fewer k-steps than lanes); rows cover every
     tile height and its rest; columns a partial panel; with and without bias. Checked to fail when the chains are
     added in another order than the few-row kernel's reduction."""

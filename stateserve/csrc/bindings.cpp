@@ -58,7 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_isa", &compiled_isa, "the instruction sets of this build: avx512_bf16, avx512, avx2 or scalar");
   // lane_order: every output summed in fast_linear's order (bit-identical to it), from panels packed the same way
   m.def("packed_linear", &packed_linear, "x @ W.T + bias from W in 48-column panels (CPU: AVX-512 or AVX2)",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("lane_order") = false, nogil);
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("lane_order") = false,
+        nogil);
   m.def("pack_linear_weight_", &pack_linear_weight_, "W [N, K] into packed_linear's panels, in place",
         py::arg("packed"), py::arg("weight"), py::arg("lane_order") = false, nogil);
   m.def("q8_0_supported", &q8_0_supported, "whether this build has the Q8_0 kernels", nogil);

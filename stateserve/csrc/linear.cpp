@@ -58,8 +58,8 @@ inline float reduce_add16(__m512 v) {
 }
 
 // The horizontal sums of v[0..7] as the 8 lanes of one vector, each added in exactly the order of reduce_add16,
-// which the tiles of several rows use: a row's outputs do not depend on which path computed them. One transpose-and-add tree
-// instead of 8 separate reductions: with one row of x (12 KB of bfloat16 W per 8 rows at K = 768) the 8
+// which the tiles of several rows use: a row's outputs do not depend on which path computed them. One
+// transpose-and-add tree instead of 8 separate reductions: with one row of x (12 KB of bfloat16 W per 8 rows at K = 768) the 8
 // reductions and scalar stores were ~15% of the tile's instructions, and the kernel issues its loads that much
 // later.
 inline __m256 reduce8_ps(const __m512* v) {

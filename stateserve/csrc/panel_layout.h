@@ -10,8 +10,8 @@ constexpr int64_t kPanel = 48;  // output columns per panel
 
 // Two orders of every output's sum. The fast one: one chain over all k-steps in order. The lane order, shared with
 // the few-row kernel (linear.cpp), so that a row's result is the same bits whichever kernel computed it (one request
-// decoding alone, the same request batched, the rows of a verify step): there, each output is kChains partial chains (chain j: the k-steps s = j, j + kChains, j + 2 kChains, ...
-// in order, a vector lane each) added up by a fixed tree at the end. Here each chain runs on its own (its words
+// decoding alone, the same request batched, the rows of a verify step): there, each output is kChains partial
+// chains (chain j: the k-steps s = j, j + kChains, j + 2 kChains, ... in order, a vector lane each) added up by a fixed tree at the end. Here each chain runs on its own (its words
 // packed contiguously, one after the other in kChainOrder) with outputs in the lanes, and the tree is the same:
 // the few-row reductions (linear.cpp's reduce_add16 and reduce8_ps on AVX-512, reduce8_ps on AVX2) are
 // perfect binary trees over the lanes taken in kChainOrder (bit-reversed on AVX-512, natural on AVX2).

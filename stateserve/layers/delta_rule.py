@@ -18,9 +18,9 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
-from stateserve.platform import kernels
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
                                          mixed_step, zero_fresh_slots)
+from stateserve.platform import kernels
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -167,7 +167,7 @@ def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
 
     stray = []
     for name, m in model.named_modules():
-        if isinstance(m, ExpertMatrices) and m.expert_matrices():
+        if isinstance(m, ExpertMatrices) and m.expert_matrices():  # not all of them quantized
             if m.few_row_product is not None:
                 m.few_row_rows = 1 << 62
             else:

@@ -98,7 +98,8 @@ class ExpertMatrices:
         if self.expert_products is not None and name in self.expert_products:
             return self.expert_products[name][e](x)
         weight = matrices[name][e]
-        if x.shape[0] <= self.few_row_rows and x.dtype == weight.dtype and not torch.is_grad_enabled():
+        if self.few_row_product is not None and x.shape[0] <= self.few_row_rows and x.dtype == weight.dtype \
+                and not torch.is_grad_enabled():
             return self.few_row_product(x, weight, None)
         return F.linear(x, weight)
 

@@ -15,6 +15,7 @@ paths and decides by their modification times, which every clone renews)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -62,8 +63,14 @@ def cpu_features() -> str:
 
 def _compiler_version() -> str:
     # torch's builder compiles with $CXX, else c++; a new compiler may emit other instructions for the same flags
+    return _version_of(os.environ.get("CXX", "c++"))
+
+
+@functools.lru_cache(maxsize=None)
+def _version_of(compiler: str) -> str:
+    """The compiler's first --version line (asked once per process: the build tag and the content key both need it)."""
     try:
-        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"  # the build itself then fails and says why
@@ -168,11 +175,11 @@ def load():
     return _module
 
 
-def kept_build(cache_dir: str) -> str:
-    """Where a build of this checkout's sources, for this machine and STATESERVE_CPU_ISA, is kept under a cache
-    folder (whether it exists or not)."""
+def kept_build(cache_dir: str, inputs: tuple[list[str], list[str], list[str]] | None = None) -> str:
+    """Where a build of this checkout's sources (`inputs`: _build_inputs(), read here when not given), for this
+    machine and STATESERVE_CPU_ISA, is kept under a cache folder (whether it exists or not)."""
     variant = envs.STATESERVE_CPU_ISA
-    sources, headers, flags = _build_inputs()
+    sources, headers, flags = inputs or _build_inputs()
     return os.path.join(os.path.expanduser(cache_dir), "cpu_kernels", "by-content",
                         content_key(sources, headers, flags) + ("" if variant == "native" else f"-{variant}"),
                         "stateserve_cpu_kernels.so")
@@ -200,10 +207,11 @@ def _load_or_build():
     variant = envs.STATESERVE_CPU_ISA
     if variant != "native" and platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"STATESERVE_CPU_ISA={variant} is for x86-64 CPUs")
-    sources, header_paths, flags = _build_inputs()
+    inputs = _build_inputs()
+    sources, header_paths, flags = inputs
     build_dir = os.path.join(os.path.expanduser(envs.STATESERVE_CACHE_DIR), "cpu_kernels", tag)
     suffix = "" if variant == "native" else f", built for {variant} only"
-    kept = kept_build(envs.STATESERVE_CACHE_DIR)
+    kept = kept_build(envs.STATESERVE_CACHE_DIR, inputs)
     if os.path.isfile(kept):
         logger.info("CPU kernels for %s (%s)%s: the build of these sources in %s", isa, platform.machine(), suffix,
                     os.path.dirname(kept))

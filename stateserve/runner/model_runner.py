@@ -136,18 +136,17 @@ class ModelRunner:
         oneDNN at 3-64 rows), unless switched off or the copy would take over a quarter of free memory; in the
         few-row kernel's summation order when the engine is batch-invariant."""
         invariant = self.engine_config.batch_invariant_linears
-        linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                           if isinstance(m, FastLinear))
-        if not envs.STATESERVE_PACK_LINEARS:
-            pass
-        elif linear_bytes > _available_host_memory() // 4:
-            logger.info("Linear weight packing skipped: the copy (%.2f GiB) would take over a quarter of free memory",
-                        linear_bytes / GiB)
-        else:
-            added = prepack_fast_linear(self.model, lane_order=invariant)
-            if added:
-                logger.info("Linear weight packing: %.2f GiB of linear weights copied into 48-column panels",
-                            added / GiB)
+        if envs.STATESERVE_PACK_LINEARS:
+            linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                               if isinstance(m, FastLinear))
+            if linear_bytes > _available_host_memory() // 4:
+                logger.info("Linear weight packing skipped: the copy (%.2f GiB) would take over a quarter of free "
+                            "memory", linear_bytes / GiB)
+            else:
+                added = prepack_fast_linear(self.model, lane_order=invariant)
+                if added:
+                    logger.info("Linear weight packing: %.2f GiB of linear weights copied into 48-column panels",
+                                added / GiB)
         if invariant:
             make_batch_invariant(self.model, "on" if self.engine_config.batch_invariant else
                                  "on for speculative decoding")
