@@ -196,3 +196,38 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="activation"):
         SparseMoE(4, 2, H, I, norm_topk_prob=True, activation="nope")
     assert F.silu is activation_fn("silu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sized_expert_products_take_the_few_row_kernel(dtype):
+    """After install_fast_linear, an expert's products of up to `max_rows` rows (a decode step's tokens per expert)
+    go to the few-row kernel, more to F.linear, and the result matches the naive reference either way. Without the
+    route the products fall back to F.linear silently (~60 us a call in bfloat16), which only a spy can see."""
+    from stateserve.layers.linear import install_fast_linear
+    from stateserve.platform import kernels
+
+    routes = kernels.table().linear(dtype)
+    if routes is None or routes.few_row is None:
+        pytest.skip(f"no few-row kernel for {dtype} here")
+    moe = SparseMoE(E, hidden_size=H, intermediate_size=I, **VARIANTS["jamba"])
+    _randomise(moe)
+    moe = moe.to(dtype)
+    rows_seen = []
+
+    def spy(x, w, b):
+        rows_seen.append(x.shape[0])
+        return routes.few_row(x, w, b)
+
+    install_fast_linear(moe, dtype, torch.device("cpu"))
+    assert moe.few_row_product is routes.few_row and moe.few_row_rows == routes.max_rows
+    moe.few_row_product = spy
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with torch.no_grad():
+        out = moe(x)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, _naive(moe, x), atol=1e-5, rtol=1e-5)
+    assert rows_seen and max(rows_seen) <= 3  # every expert product of this decode-sized step
+    rows_seen.clear()
+    with torch.no_grad():
+        moe(torch.randn(8 * routes.max_rows, H).to(dtype))
+    assert all(n <= routes.max_rows for n in rows_seen)  # bigger groups went to F.linear
