@@ -49,6 +49,15 @@ class LatentAttention(Attention):
         v = k[..., :self.value_dim]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
+    def _attend_decode(self, q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One query per sequence: q [S, H, D], rows [S, L, D], visible [S, L] -> [S, H, value_dim]. The heads are
+        the rows of one matrix product per sequence against its shared latent rows (the scaled-dot-product kernel
+        would materialise the rows once per head), in float32 and rounded once at the end."""
+        rows = rows.float()
+        scores = torch.bmm(q.float(), rows.transpose(1, 2)).mul_(self.scale)  # [S, H, L]
+        scores.masked_fill_(~visible[:, None, :], float("-inf"))
+        return torch.bmm(scores.softmax(dim=-1), rows[..., :self.value_dim]).to(q.dtype)
+
     def forward(self, q: torch.Tensor, rows: torch.Tensor,  # type: ignore[override]
                 meta: AttnMetadata) -> torch.Tensor:
         # q: [T, H, latent_dim] (absorbed queries); rows: [T, latent_dim] -> [T, H, value_dim]
@@ -67,8 +76,7 @@ class LatentAttention(Attention):
             num_blocks = -(-meta.decode_max_seq_len // bs)
             cached = self.cached_rows(meta.decode_block_tables[:, :num_blocks], num_blocks * bs)  # [Sd, nb*bs, D]
             mask = (torch.arange(cached.shape[1], device=q.device)[None, :] < meta.decode_seq_lens[:, None])
-            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Sd, H, 1, D]
-            od = self._attend(qd, cached, mask[:, None, None, :], False).squeeze(2)
+            od = self._attend_decode(q.index_select(0, meta.decode_rows), cached, mask)  # [Sd, H, value_dim]
             if od.shape[0] == T:
                 return od
             out.index_copy_(0, meta.decode_rows, od)

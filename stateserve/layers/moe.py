@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.layers.markers import stacked
+from stateserve.layers.norm import silu_and_mul
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -122,6 +123,15 @@ def split_fused_experts(name: str, tensor: torch.Tensor, layout: str) -> Iterabl
             for proj, part in zip(projs, matrix.chunk(len(projs), dim=0))]
 
 
+def gated_activation(name: str, act: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> act(gate) * up [..., I], rounded as PyTorch rounds the two ops (silu: one
+    kernel call instead of three dispatches, which a decode step's small experts notice)."""
+    if name == "silu":
+        return silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
@@ -133,15 +143,14 @@ class GatedMLPExpert(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, fused_checkpoint: bool) -> None:
         super().__init__()
-        self.act = activation_fn(activation)
+        self.activation, self.act = activation, activation_fn(activation)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         if not fused_checkpoint:  # loaded from separate gate_proj / up_proj tensors
             stacked(self.gate_up_proj.weight, [intermediate_size, intermediate_size])
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated_activation(self.activation, self.act, self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module, ExpertMatrices):
@@ -241,26 +250,38 @@ class SparseMoE(nn.Module, ExpertMatrices):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)  # [T, k]
-        E, H = self.num_experts, self.hidden_size
         matrices = self.expert_matrices()
+        if x.shape[0] == 1:  # one token (a decode step): its k experts in turn, no grouping
+            expert_out = x.new_empty(self.top_k, self.hidden_size)
+            for j, e in enumerate(ids[0].tolist()):
+                expert_out[j] = self._expert(e, x, matrices)[0]
+            return self._weighted_sum(expert_out, weights)
         flat_ids = ids.flatten()  # [T*k]: assignment a belongs to token a // k
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k
         # one host sync for the group sizes; each expert then sees a contiguous slice of the sorted rows
-        counts = torch.bincount(flat_ids, minlength=E).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         grouped = x[token_of]  # [T*k, H]
         expert_out = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = grouped[start:start + n]
-            g, u = self.expert_linear("experts_gate_up", e, rows, matrices).chunk(2, dim=-1)
-            expert_out[start:start + n] = self.expert_linear("experts_down", e, self.act(g) * u, matrices)
+            expert_out[start:start + n] = self._expert(e, grouped[start:start + n], matrices)
             start += n
-        # back to assignment order ([T, k] rows) and a weighted sum over each token's k experts; a gather
-        # rather than index_add_ keeps the sum deterministic (and index_add_ is slow on CPU)
+        # back to assignment order ([T, k] rows); a gather rather than index_add_ keeps the sum deterministic (and
+        # index_add_ is slow on CPU)
         per_assignment = torch.empty_like(expert_out)
         per_assignment[order] = expert_out
-        per_assignment = per_assignment.view(x.shape[0], self.top_k, H)
+        return self._weighted_sum(per_assignment, weights)
+
+    def _expert(self, e: int, rows: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Expert e's gated MLP of rows [n, H] -> [n, H]."""
+        gate_up = self.expert_linear("experts_gate_up", e, rows, matrices)  # [n, 2I]
+        return self.expert_linear("experts_down", e, gated_activation(self.activation, self.act, gate_up), matrices)
+
+    def _weighted_sum(self, per_assignment: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """per_assignment [T*k, H] in [T, k] order, weights [T, k] -> each token's weighted sum over its k experts
+        [T, H] (one formula for every T, so a token's output does not depend on the tokens beside it)."""
+        per_assignment = per_assignment.view(weights.shape[0], self.top_k, self.hidden_size)
         return (per_assignment * weights.unsqueeze(-1)).sum(dim=1)

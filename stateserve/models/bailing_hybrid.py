@@ -94,8 +94,8 @@ class BailingDecoderLayer(nn.Module):
             h = self.self_attn(h, meta.state)
         else:
             h = self.self_attn(h, meta.attn, positions)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(h, x)  # x += h (x is this forward's own stream), norm
+        return x + self.mlp(h)
 
 
 class BailingHybridModel(nn.Module):

@@ -23,6 +23,8 @@ from stateserve.layers.kda import KimiDeltaAttention
 from stateserve.layers.latent_attention import LatentAttention
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.moe import GatedMLPExpert, SparseMoE
+from stateserve.layers.norm import RMSNorm
+from stateserve.layers.param_cache import derived
 from stateserve.models.base import ModelBase
 from stateserve.models.nemotron_h import NemotronHRouter
 
@@ -33,17 +35,9 @@ _KDA_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _KDA_CONV = {"q_conv1d": 0, "k_conv1d": 1, "v_conv1d": 2}
 
 
-class KimiRMSNorm(nn.Module):
-    """KimiLinearRMSNorm: normalise in float32, round to the input dtype, then times the weight."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+class KimiRMSNorm(RMSNorm):
+    """KimiLinearRMSNorm: normalise in float32, round to the input dtype, then times the weight: the formula (and
+    so the fused kernels) of layers/norm.RMSNorm."""
 
 
 def layer_types(cfg: Any, family: str = "Kimi Linear") -> list[str]:
@@ -122,12 +116,24 @@ class KimiMLA(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         q_rope, k_rot = self.encode_positions(q_rope, k_rot, positions)
         rows = torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1)  # [T, rank + rope]: what the cache keeps
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
-        w_k, w_v = w[:, :self.nope], w[:, self.nope:]  # [H, nope, rank], [H, v, rank]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_k)  # q_nope . (W_k c) == (q_nope W_k) . c
+        w_k, w_v = self.absorbed_weights()  # float32 [H, nope, rank], [H, rank, v]
+        # q_nope . (W_k c) == (q_nope W_k) . c; float32 products of the (exact) upcast operands rounded once, as a
+        # bfloat16 matmul rounds (PyTorch's bfloat16 bmm of these shapes took ~100 us a decode call)
+        q_latent = torch.bmm(q_nope.transpose(0, 1).float(), w_k).transpose(0, 1).to(x.dtype)  # [T, H, rank]
         out = self.attn(torch.cat([q_latent, q_rope], dim=-1), rows, meta)  # [T, H, rank]
-        out = self.gate_heads(x, torch.einsum("thr,hvr->thv", out, w_v))  # [T, H, v]
+        out = torch.bmm(out.transpose(0, 1).float(), w_v).transpose(0, 1).to(x.dtype)  # [T, H, v]
+        out = self.gate_heads(x, out)
         return self.o_proj(out.reshape(T, H * self.v_dim))
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key half [H, nope, rank] and transposed value half [H, rank, v], float32 and contiguous for
+        bmm; made once per version of the weight."""
+        weight = self.kv_b_proj.weight
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            w = weight.detach().float().view(self.num_heads, self.nope + self.v_dim, self.rank)
+            return w[:, :self.nope].contiguous(), w[:, self.nope:].transpose(1, 2).contiguous()
+        return derived(self, "absorbed", (weight,), make)
 
 
 class KimiMoE(SparseMoE):
@@ -174,8 +180,8 @@ class KimiDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.self_attn(h, meta.state if self.layer_type == "linear_attention" else meta.attn)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(h, x)  # x += h (x is this forward's own stream), norm
+        return x + self.mlp(h)
 
 
 class KimiLinearModel(nn.Module):

@@ -136,11 +136,13 @@ class NemotronHRouter(nn.Module):
         """x [T, H] -> (weights [T, k] float32, expert ids [T, k])."""
         scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
-        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
+        if self.topk_group < self.n_group:  # else every group is kept: the mask below would change nothing
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                                        float("-inf"))
         ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
