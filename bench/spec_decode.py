@@ -12,6 +12,7 @@ The demo models' text is real but they are too small for speculation to pay; `de
 bodies (bench/widen_demo.py: the same logits, ~90-120M parameters of work per token).
 
     python bench/spec_decode.py [--models llama,mamba2,bamba | demo | demo-wide] [--size base|small] [--threads N]
+        [--rounds R (each configuration's processes alternating with the others')]
         [--vllm-python /opt/peers/vllm/bin/python] [--llamacpp-python /opt/peers/llamacpp/bin/python
         --llamacpp-convert .../convert_hf_to_gguf.py]
 """
@@ -117,7 +118,21 @@ def gguf_for(folder: str, args: argparse.Namespace) -> str:
     return throughput.convert_gguf(stage, args.dtype, args)
 
 
-def run_config(config: str, model: str, job: dict, args: argparse.Namespace, log_dir: str) -> dict:
+def merge_rounds(old: dict | None, new: dict, workloads: list[str]) -> dict:
+    """One configuration's result over its rounds: per workload the fastest round's entry (throughput.py's
+    merge_fastest, which keeps every round's time too); the speculation counters are those of the first round
+    that has them (greedy decoding: every round drafts and accepts the same tokens)."""
+    if old is None:
+        return new
+    merged = throughput.merge_fastest(old, new, workloads)
+    merged["spec"] = old.get("spec") or new.get("spec")
+    # a configuration's error stays on record only when no round ran clean
+    merged["error"] = old.get("error") if old.get("error") and new.get("error") else None
+    return merged
+
+
+def run_config(config: str, model: str, job: dict, args: argparse.Namespace, log_dir: str,
+               round_index: int = 0) -> dict:
     """One engine configuration's process over every workload of one model -> its result (with "error")."""
     engine = CONFIGS[config][0]
     python = {"vllm": args.vllm_python, "llamacpp": args.llamacpp_python}.get(engine, sys.executable)
@@ -128,7 +143,8 @@ def run_config(config: str, model: str, job: dict, args: argparse.Namespace, log
         if engine == "llamacpp":
             config_job["gguf"] = gguf_for(job["model"], args)
         preload = throughput.vllm_preload(python, "auto") if engine == "vllm" else ""
-        log_path = os.path.join(log_dir, f"{model}-{config}.log")
+        suffix = f"-round{round_index + 1}" if round_index else ""
+        log_path = os.path.join(log_dir, f"{model}-{config}{suffix}.log")
         # throughput.py's process handling (env, session, timeout), pointed at this benchmark's runner
         with mock.patch.dict(throughput.RUNNERS, {engine: "spec_runner.py"}):
             result = throughput.run_engine(engine, config_job, python, log_path, args.timeout, preload)
@@ -180,12 +196,19 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> list[dict
     job = {"model": folder, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "repo": REPO,
            "max_model_len": (longest // 256 + 1) * 256, "keep_outputs": True, "workloads": workloads}
     label = model if model in DEMO_MODELS + tuple(WIDE_MODELS) else f"{model}-{args.size}"
-    results = {}
-    for config in args.configs:
-        print(f"  {label}: {config} ...", flush=True)
-        results[config] = run_config(config, label, job, args, log_dir)
-        if results[config].get("error"):
-            print(f"    {config}: {results[config]['error']}", flush=True)
+    results: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        # the configurations take turns, one process each per round, in an order rotated every round, so a drift
+        # of the machine's speed over minutes reaches every configuration alike; per workload the fastest round
+        # is kept (throughput.py's rule)
+        shift = round_index % len(args.configs)
+        for config in args.configs[shift:] + args.configs[:shift]:
+            suffix = f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"  {label}: {config}{suffix} ...", flush=True)
+            result = run_config(config, label, job, args, log_dir, round_index)
+            if result.get("error"):
+                print(f"    {config}: {result['error']}", flush=True)
+            results[config] = merge_rounds(results.get(config), result, list(workloads))
     rows = []
     for name, work in workloads.items():
         cells = {c: cell(results[c], name) for c in args.configs}
@@ -293,7 +316,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=None, help="stateserve's draft_model speculator: a Hugging Face folder "
                    "with the target's vocabulary (used for every model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads every engine gets")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per workload; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per workload within one engine process; "
+                   "the fastest is kept")
+    p.add_argument("--rounds", type=int, default=1, help="processes per configuration, the configurations taking "
+                   "turns round by round (so the machine's drift reaches all alike); per workload the fastest round "
+                   "is kept")
     p.add_argument("--timeout", type=float, default=None, help="seconds per engine config per model "
                    "(default 1800; small: 600)")
     p.add_argument("--out", default=os.path.join(BENCH, "results"), help="folder for the JSON and engine logs")
@@ -320,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.configs.insert(0, "ss")  # the baseline every ratio and output check needs
     if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
         p.error("need 1 <= --prompt-lookup-min <= --prompt-lookup-max")
+    if args.rounds < 1 or args.repeats < 1:
+        p.error("--rounds and --repeats must be at least 1")
     if args.max_tokens is None:
         args.max_tokens = SHAPES[args.size][2]
     if args.timeout is None:
