@@ -36,9 +36,15 @@ from widen_demo import DEMO_DIR, WIDE_MODELS, widened_folder  # noqa: E402
 RANDOM_KINDS = ("llama", "mamba2", "bamba")  # bamba: the hybrid (Mamba2 layers and attention)
 DEMO_MODELS = ("llama-demo", "mamba2-demo", "hybrid-demo")
 # label -> (engine, speculator); "ngram" and "draft" are filled in from the flags
-CONFIGS = {"ss": ("stateserve", None), "ss-ngram": ("stateserve", "ngram"), "ss-draft": ("stateserve", "draft"),
+CONFIGS = {"ss": ("stateserve", None), "ss-inv": ("stateserve", None), "ss-ngram": ("stateserve", "ngram"),
+           "ss-draft": ("stateserve", "draft"),
            "tf-pld": ("transformers", "ngram"), "vllm-ngram": ("vllm", "ngram"), "lcpp-pld": ("llamacpp", "ngram")}
 PEERS = ("tf-pld", "vllm-ngram", "lcpp-pld")
+# ss-inv: non-speculative with batch-invariant linears, which speculative runs turn on by default: greedy outputs of
+# ss-ngram / ss-draft equal ss-inv's bit for bit; plain `ss` (the speed baseline, the default engine) sums its
+# batched and prefill products in another order, so in bfloat16 its tokens may part from theirs at a near tie
+CONFIG_KWARGS = {"ss-inv": {"batch_invariant": True}}
+OURS_SPEC = ("ss-ngram", "ss-draft")
 SERIAL = {"tf-pld", "lcpp-pld"}  # single-sequence APIs: their 16 "concurrent" requests run one after another
 # passage tokens and restart tokens of the copy prompt: with 128 new tokens, a model that copies never runs out
 # of text to copy (passage 96 + 96 + 16 restarted; it copies 80 tokens, then the passage starts over)
@@ -139,7 +145,8 @@ def run_config(config: str, model: str, job: dict, args: argparse.Namespace, log
     if python is None:
         return {"workloads": {}, "error": f"skipped: not installed (--{engine}-python not given)"}
     try:
-        config_job = dict(job, engine=engine, spec=speculative_config(config, args))
+        config_job = dict(job, engine=engine, spec=speculative_config(config, args),
+                          engine_kwargs=CONFIG_KWARGS.get(config, {}))
         if engine == "llamacpp":
             config_job["gguf"] = gguf_for(job["model"], args)
         preload = throughput.vllm_preload(python, "auto") if engine == "vllm" else ""
@@ -214,12 +221,14 @@ def bench_model(model: str, args: argparse.Namespace, log_dir: str) -> list[dict
         cells = {c: cell(results[c], name) for c in args.configs}
         base = cells.get("ss", {})
         for config, c in cells.items():
+            reference = "ss-inv" if config in OURS_SPEC and "ss-inv" in cells else "ss"
             if config != "ss" and c.get("outputs") is not None:
-                c["differs_from_ss"] = differ(c["outputs"], base.get("outputs"))
+                c["reference"] = reference
+                c["differs_from_ss"] = differ(c["outputs"], cells[reference].get("outputs"))
         row = {"model": label, "folder": folder, "workload": name.split("-")[0], "requests": len(work["prompts"]),
                "prompt_tokens": len(work["prompts"][0]), "max_tokens": args.max_tokens,
                "versions": {c: results[c].get("version") for c in args.configs}, "cells": cells}
-        ours = {c: cells[c]["tok_s"] for c in ("ss-ngram", "ss-draft") if cells.get(c, {}).get("tok_s")}
+        ours = {c: cells[c]["tok_s"] for c in OURS_SPEC if cells.get(c, {}).get("tok_s")}
         peers = {c: cells[c]["tok_s"] for c in PEERS if cells.get(c, {}).get("tok_s")}
         if ours:
             row["best_ss_spec"] = max(ours, key=ours.get)
@@ -258,13 +267,15 @@ def format_table(rows: list[dict], configs: list[str]) -> str:
     for r in rows:
         ratio = f"{r['spec_over_ss']:>7.2f}x" if "spec_over_ss" in r else f"{'-':>8}"
         peer = f"{r['spec_over_best_peer']:>7.2f}x" if "spec_over_best_peer" in r else f"{'-':>8}"
-        # our speculative outputs must equal our non-speculative ones (greedy); peers' may differ (other kernels)
-        notes = [f"MISMATCH {c}: {cl['differs_from_ss']}" if c.startswith("ss-") else f"{c} {cl['differs_from_ss']}"
+        # our speculative outputs must equal our non-speculative ones (greedy; ss-inv's where it ran); peers' and
+        # ss-inv's own may differ from ss (other summation orders)
+        notes = [f"MISMATCH {c} vs {cl['reference']}: {cl['differs_from_ss']}" if c in OURS_SPEC
+                 else f"{c} vs ss: {cl['differs_from_ss']}"
                  for c, cl in r["cells"].items() if cl.get("differs_from_ss")]
-        same = [c for c, cl in r["cells"].items() if c.startswith("ss-") and cl.get("outputs") is not None
-                and not cl.get("differs_from_ss") and r["cells"]["ss"].get("outputs") is not None]
-        if same:
-            notes.insert(0, f"{','.join(same)} == ss")
+        same = [f"{c} == {cl['reference']}" for c, cl in r["cells"].items() if c.startswith("ss-")
+                and cl.get("outputs") is not None and not cl.get("differs_from_ss")
+                and r["cells"][cl["reference"]].get("outputs") is not None]
+        notes[:0] = same
         notes += [f"{c}: " + ("drafted nothing" if "num_draft_tokens" in cl else "no speculation counters")
                   for c, cl in r["cells"].items()  # speculation silently off, or nothing ever matched
                   if spec[c] and cl.get("tok_s") and "acceptance_rate" not in cl]

@@ -56,3 +56,32 @@ def test_a_configuration_failing_every_round_keeps_its_error(monkeypatch, tmp_pa
     rows = spec_decode.bench_model("llama", args, str(tmp_path))
     assert rows[0]["cells"]["ss"]["error"] == "exited: boom"
     assert "tok_s" not in rows[0]["cells"]["ss"]
+
+
+def test_speculative_outputs_are_checked_against_the_batch_invariant_baseline(monkeypatch, tmp_path):
+    """ss-inv (plain decoding, batch_invariant=True) reaches its runner and is what ss-ngram's tokens must equal;
+    plain ss may differ from both (another summation order) without a MISMATCH."""
+    args = spec_decode.parse_args(["--size", "small", "--models", "llama", "--workloads", "copy",
+                                   "--concurrency", "1", "--configs", "ss,ss-inv,ss-ngram"])
+    outputs = {"ss": [[1, 2, 3]], "ss-inv": [[1, 2, 4]], "ss-ngram": [[1, 2, 4]]}
+    kwargs = {}
+
+    def fake_run_engine(engine, job, python, log_path, timeout, preload):
+        config = "ss-ngram" if job["spec"] else ("ss-inv" if job["engine_kwargs"] else "ss")
+        kwargs[config] = job["engine_kwargs"]
+        return {"workloads": {"copy-1": {"elapsed_s": 1.0, "output_tokens": 3, "runs_s": [1.0],
+                                         "outputs": outputs[config]}}}
+
+    monkeypatch.setattr(spec_decode.throughput, "run_engine", fake_run_engine)
+    monkeypatch.setattr(spec_decode, "resolve_model", lambda name, args: str(tmp_path))
+    monkeypatch.setattr(spec_decode, "make_prompts", lambda *a: [[1, 2, 3]])
+    rows = spec_decode.bench_model("llama", args, str(tmp_path))
+    assert kwargs == {"ss": {}, "ss-inv": {"batch_invariant": True}, "ss-ngram": {}}
+    cells = rows[0]["cells"]
+    assert cells["ss-ngram"]["reference"] == "ss-inv" and cells["ss-ngram"]["differs_from_ss"] is None
+    assert cells["ss-inv"]["differs_from_ss"]  # plain ss parted at token 2
+    table = spec_decode.format_table(rows, args.configs)
+    assert "ss-ngram == ss-inv" in table and "MISMATCH" not in table
+    outputs["ss-ngram"] = [[1, 2, 5]]
+    rows = spec_decode.bench_model("llama", args, str(tmp_path))
+    assert "MISMATCH ss-ngram vs ss-inv" in spec_decode.format_table(rows, args.configs)

@@ -4,10 +4,11 @@ speculator, or llama.cpp's prompt-lookup drafting (llama-cpp-python's `LlamaProm
 library only at the top: each engine's packages are imported inside its own setup function.
 
 The job is protocol.py's plus "engine" (stateserve|transformers|vllm|llamacpp) and "spec" (None: no speculation;
-else a dict with vLLM's speculative_config keys). Besides protocol.py's timings, result["spec"][workload] holds
-the speculation counters of that workload's last timed run, summed over its requests (num_draft_tokens,
-num_accepted_tokens, num_verify_steps; None where the engine reports none). They sit in `extra`, which
-run_workloads rewrites after every workload, so a run cut off by its timeout keeps the counters it finished.
+else a dict with vLLM's speculative_config keys), and for stateserve "engine_kwargs" (more LLM(...) arguments).
+Besides protocol.py's timings, result["spec"][workload] holds the speculation counters of that workload's last
+timed run, summed over its requests (num_draft_tokens, num_accepted_tokens, num_verify_steps; None where the
+engine reports none). They sit in `extra`, which run_workloads rewrites after every workload, so a run cut off by
+its timeout keeps the counters it finished.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def setup_stateserve(job: dict) -> Setup:
     from stateserve import LLM, SamplingParams
 
     kwargs = {"speculative_config": job["spec"]} if job["spec"] else {}
+    kwargs.update(job.get("engine_kwargs") or {})  # e.g. bench/spec_decode.py's ss-inv: batch_invariant=True
     start = time.perf_counter()
     # prefix caching off: a repeated timed run (and the copy prompts' repeated passages) must be recomputed
     llm = LLM(job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=job["max_model_len"],
@@ -114,6 +116,7 @@ def setup_vllm(job: dict) -> Setup:
     from vllm import LLM, SamplingParams
 
     kwargs = {"speculative_config": job["spec"]} if job["spec"] else {}
+    kwargs.update(job.get("engine_kwargs") or {})  # e.g. bench/spec_decode.py's ss-inv: batch_invariant=True
     start = time.perf_counter()
     # log stats on: the spec-decode counters of get_metrics() are only kept then
     llm = LLM(model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=job["max_model_len"],
