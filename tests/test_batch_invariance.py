@@ -70,6 +70,29 @@ def test_alone_batched_and_speculative_decoding_are_bit_identical(arch, tmp_path
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.parametrize("method", ["int8", "q4_0_weight_only"])
+def test_quantized_projections_are_batch_invariant(method, tmp_path):
+    """The block-quantized products (csrc/quant_*.cpp) sum each output per block in increasing order, in int8
+    activation mode and weight-only alike, whatever the tile shape a row count picks: a quantized model, too, decodes
+    a request alone, batched or speculating to the same bits (checked to fail when products of three rows or more
+    skip the activation rounding)."""
+    from stateserve.quantization.linear import QuantLinear
+
+    _, path = llama_or_qwen2("llama", tmp_path, hidden_size=96, intermediate_size=192)  # K: multiples of 32
+    with _llm(path, batch_invariant=True, quantization=method) as llm:
+        quantized = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert len(quantized) >= 4 and all(m.kernel is not None for m in quantized)
+        batched = run(llm, greedy())
+        alone = [run(llm, greedy(), [p])[0] for p in ALONE]
+    for i, out in enumerate(alone):
+        _assert_identical(batched[i], out)
+    oracle = OracleProposer({tuple(p): o.outputs[0].token_ids for p, o in zip(ALONE, alone)}, error=0.3)
+    with _llm(path, quantization=method, speculative_config={"method": "ngram", "num_speculative_tokens": 4}) as llm:
+        llm.llm_engine.speculator.proposer = oracle
+        for prompt, out in zip(ALONE, alone):
+            _assert_identical(run(llm, greedy(), [prompt])[0], out)
+
+
 @pytest.mark.parametrize("flags,line", [
     (["--batch-invariant"], "Batch-invariant linears (on)"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
