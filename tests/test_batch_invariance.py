@@ -143,3 +143,39 @@ def test_a_linear_without_a_panel_copy_takes_the_few_row_kernel_at_any_row_count
     full = layer(x)
     for rows in (1, 3, 17, 39):
         assert torch.equal(layer(x[:rows]), full[:rows])
+
+
+def test_a_speculating_server_answers_a_request_alike_alone_and_among_concurrent_ones():
+    """Through `stateserve serve` (bfloat16, speculative decoding: batch-invariant by default, which its log says) and
+    the openai client: six concurrent greedy completions get exactly the tokens and logprobs each gets alone."""
+    import asyncio
+
+    import openai
+
+    from utils import demo_model, start_server
+
+    model = demo_model("llama-demo")
+    prompts = ["The list type", "A class definition", "Exceptions can be", "The for statement is used to",
+               "If the file", "def f(x):\n    return"]
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    proc, url, lines = start_server(model, "--dtype", "bfloat16", "--speculative-config", spec)
+    try:
+        def answer(done) -> tuple:
+            choice = done.choices[0]
+            return choice.text, choice.logprobs.tokens, choice.logprobs.token_logprobs
+
+        kwargs = dict(model=model, max_tokens=32, temperature=0, logprobs=1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        alone = [answer(client.completions.create(prompt=p, **kwargs)) for p in prompts]
+
+        async def together() -> list:
+            aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            done = await asyncio.gather(*(aclient.completions.create(prompt=p, **kwargs) for p in prompts))
+            await aclient.close()
+            return [answer(d) for d in done]
+
+        assert asyncio.run(together()) == alone
+        assert any("Batch-invariant linears (on for speculative decoding)" in line for line in lines), "".join(lines)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
