@@ -5,6 +5,7 @@ are tested in test_tensor_parallel_models.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -286,3 +287,26 @@ def test_an_engine_failing_before_rank_0_loads_stops_its_workers(llama, monkeypa
     assert not thread.is_alive(), "the engine's shutdown hung on workers that never loaded"
     assert len(errors) == 1 and "start failed before loading" in str(errors[0])
     assert runners and not any(proc.is_alive() for _, proc in runners[0]._procs)
+
+
+def test_each_rank_loads_its_share_without_holding_the_whole_model(tmp_path, tokenizer_dir):
+    """`stateserve generate --tensor-parallel-size 2` on a 12-layer bfloat16 checkpoint: every rank reads the
+    checkpoint a layer at a time and splits each layer as it is read (distributed/load.py), so its resident memory
+    peaks near its half plus one layer, not at the whole model its rank used to load first (checked to fail with the
+    whole-model load: ~1.5x the model there)."""
+    cfg = dict(BASE, vocab_size=300, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+               num_attention_heads=12, num_key_value_heads=12)
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **cfg).to(torch.bfloat16)
+    path = save_model(hf, str(tmp_path / "llama"), tokenizer_dir)
+    del hf
+    out = _cli("generate", "--model", path, "--prompt", "hi", "--max-tokens", "2", "--dtype", "bfloat16",
+               "--kv-cache-memory-bytes", str(1 << 24), "--tensor-parallel-size", "2").communicate(timeout=300)[0]
+    pattern = (r"Tensor parallel rank (\d)/2: (\d+) layer parts split as they were read \(0 after the whole "
+               r"checkpoint\); resident memory peaked ([\d.]+) GiB above the [\d.]+ GiB before loading \(the whole "
+               r"model: ([\d.]+) GiB\)")
+    ranks = {int(m.group(1)): (int(m.group(2)), float(m.group(3)), float(m.group(4)))
+             for m in re.finditer(pattern, out)}
+    assert sorted(ranks) == [0, 1], out
+    for parts, peak, whole in ranks.values():
+        assert parts == 24  # attention and MLP of each of the 12 layers
+        assert 0.15 < whole < 0.2 and peak < 0.75 * whole, out

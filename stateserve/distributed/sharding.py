@@ -157,24 +157,35 @@ def conv_channels(conv: nn.Conv1d, parts: list[int], shares: list[slice]) -> Non
     conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
 
 
-def split_model(model: nn.Module, group: ParallelGroup, vocab_size: int) -> bool:
-    """Apply every layer's split rule (outermost first: a rule owns the modules under it), split the vocabulary
-    (distributed/vocab.py) and log what stays whole on every rank. Returns whether the vocabulary was split (the
-    logits then come from every rank)."""
+def rule_owners(model: nn.Module) -> list[str]:
+    """Names of the modules a split rule applies to, outermost first (a rule owns the modules under it)."""
     import importlib
-
-    from stateserve.distributed.vocab import split_vocab
 
     for name in _RULE_MODULES:
         importlib.import_module(name)
-    done: list[str] = []
-    for name, module in list(model.named_modules()):
-        if any(name.startswith(prefix + ".") for prefix in done):
-            continue
-        rule = _rule_for(module)
-        if rule is not None:
-            rule(module, group)
-            done.append(name)
+    owners: list[str] = []
+    for name, module in model.named_modules():
+        if not any(name.startswith(prefix + ".") for prefix in owners) and _rule_for(module) is not None:
+            owners.append(name)
+    return owners
+
+
+def split_module(model: nn.Module, name: str, group: ParallelGroup) -> None:
+    """Apply the split rule of one of rule_owners(model)."""
+    module = model.get_submodule(name)
+    _rule_for(module)(module, group)  # type: ignore[misc]
+
+
+def split_model(model: nn.Module, group: ParallelGroup, vocab_size: int, already: tuple[str, ...] = ()) -> bool:
+    """Apply every layer's split rule (rule_owners; `already`: those split as they were loaded, distributed/load.py),
+    split the vocabulary (distributed/vocab.py) and log what stays whole on every rank. Returns whether the
+    vocabulary was split (the logits then come from every rank)."""
+    from stateserve.distributed.vocab import split_vocab
+
+    rest = [name for name in rule_owners(model) if name not in already]
+    for name in rest:
+        split_module(model, name, group)
+    done = list(already) + rest
     if not done:
         raise TensorParallelError(f"{type(model).__name__} has no layer that tensor parallelism can split")
     vocab_split = split_vocab(model, vocab_size, group)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -35,6 +36,67 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class SafetensorsReader:
+    """A folder's tensors by name, each read on demand with plain file reads (distributed/load.py loads and splits
+    one layer at a time). Not mmap'ed: a mapping keeps every page read so far resident in this process for as long
+    as the file stays open, the whole checkpoint by the end; read() leaves them to the page cache, which the kernel
+    reclaims. The format: an 8-byte little-endian header length, a JSON header (dtype, shape, data offsets of each
+    tensor), the data."""
+
+    def __init__(self, path: str) -> None:
+        self.entries: dict[str, tuple[str, int, dict]] = {}
+        for file in safetensors_files(path):
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.entries[name] = (file, 8 + length, info)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            file, data_start, info = self.entries[name]
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:  # a type read here only through the library (float8, ...)
+                with safe_open(file, framework="pt") as f:
+                    yield name, f.get_tensor(name)
+                continue
+            begin, end = info["data_offsets"]
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            with open(file, "rb") as f:
+                f.seek(data_start + begin)
+                if f.readinto(memoryview(raw.numpy())) != end - begin:
+                    raise WeightLoadError(f"{file}: tensor {name!r} is cut short (the file is truncated)")
+            yield name, raw.view(dtype).reshape(info["shape"])
+
+
+@contextmanager
+def no_weight_init() -> Iterator[None]:
+    """Builds modules without nn.Linear / nn.Embedding / nn.Conv1d's random initialisation, for a model a checkpoint
+    fills completely (WeightLoader checks that): their weights stay untouched memory, which the kernel makes resident
+    only when a tensor is copied in, so a model can be loaded (and split) a layer at a time."""
+    classes = (nn.Linear, nn.Embedding, nn.Conv1d)
+    saved = {cls: cls.__dict__.get("reset_parameters") for cls in classes}  # None: inherited (Conv1d's)
+    try:
+        for cls in classes:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, fn in saved.items():
+            if fn is None:
+                del cls.reset_parameters
+            else:
+                cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
 def iterate_safetensors(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(path)
     for file in tqdm(files, desc="Loading safetensors shards", disable=not show_progress, leave=False):
@@ -43,53 +105,83 @@ def iterate_safetensors(path: str, show_progress: bool = True) -> Iterator[tuple
                 yield name, f.get_tensor(name)
 
 
+class WeightLoader:
+    """Copies checkpoint tensors onto a model's parameters and keeps count of which (parameter, shard)s were filled.
+    A block-quantized tensor of a GGUF file (gguf_file.GGUFTensor) bound for a linear layer's or an untied
+    embedding's weight goes into `quantized` by (parameter, shard) in its own format, for quantization.quantize_model
+    to keep (None: it is dequantized onto the parameter like the others). `retire(prefix)` takes the parameters under
+    a module out of the targets once that module was split or changed (distributed/load.py)."""
+
+    def __init__(self, model: ModelBase, quantized: dict[tuple[str, int | None], Any] | None = None) -> None:
+        self.model, self.quantized = model, quantized
+        self.params = dict(model.named_parameters())
+        self.tied = set(model.tied_params)
+        # what keeps a file's blocks: linears, and embeddings whose matrix no head shares
+        self.kept_blocks = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
+                            if isinstance(m, nn.Linear) or isinstance(m, nn.Embedding)} - set(model.tied_params.values())
+        self.expected: set[tuple[str, int | None]] = set()
+        for name, p in self.params.items():
+            if name in self.tied:
+                continue
+            sizes = getattr(p, "shard_sizes", None)
+            self.expected.update((name, i) for i in range(len(sizes))) if sizes else self.expected.add((name, None))
+        self.loaded: set[tuple[str, int | None]] = set()
+        self.retired: list[str] = []
+
+    def load(self, weights: Iterable[tuple[str, Any]]) -> None:
+        model, params = self.model, self.params
+        for file_name, file_tensor in weights:
+            # expand_weight: a tensor that fills several parameters comes back in pieces (ModelBase)
+            for ckpt_name, tensor in model.expand_weight(file_name, file_tensor):
+                target = model.map_weight_name(ckpt_name)
+                if target is None:
+                    continue
+                pname, shard = target
+                if pname in self.tied:
+                    continue  # e.g. lm_head.weight saved alongside tied embeddings
+                if pname not in params:
+                    done = [p for p in self.retired if pname.startswith(p + ".")]
+                    raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
+                                          f"{type(model).__name__}" + (f" (it comes after {done[0]} was already "
+                                                                      "loaded whole and split)" if done else ""))
+                if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
+                    if self.quantized is not None and pname in self.kept_blocks:
+                        _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
+                        self.quantized[(pname, shard)] = tensor.to_quantized()
+                        self.loaded.add((pname, shard))
+                        continue
+                    tensor = tensor.to_float()
+                dst = _target(params, pname, shard)
+                _check_shape(ckpt_name, tensor.shape, dst.shape)
+                dst.copy_(tensor)
+                sizes = getattr(params[pname], "shard_sizes", None)
+                # a stacked parameter given whole (an in-memory name, e.g. Kimi's conv1d) fills every shard of it
+                self.loaded.update((pname, i) for i in range(len(sizes))) if sizes and shard is None else \
+                    self.loaded.add((pname, shard))
+
+    def missing(self, prefix: str | None = None) -> list[str]:
+        """Parameters (of the module `prefix`, None: all) that no tensor has filled yet."""
+        gaps = [(n, s) for n, s in self.expected - self.loaded if prefix is None or n.startswith(prefix + ".")]
+        return sorted(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in gaps)
+
+    def check_complete(self) -> None:
+        missing = self.missing()
+        if missing:
+            raise WeightLoadError(f"checkpoint is missing tensor(s) for: {', '.join(missing[:10])}"
+                                  + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+    def retire(self, prefix: str) -> None:
+        """The module `prefix` is complete and was replaced in place (split): no tensor may target it any more."""
+        self.params = {n: p for n, p in self.params.items() if not n.startswith(prefix + ".")}
+        self.retired.append(prefix)
+
+
 def load_weights(model: ModelBase, weights: Iterator[tuple[str, Any]],
                  quantized: dict[tuple[str, int | None], Any] | None = None) -> None:
-    """Copies each checkpoint tensor onto its parameter. A block-quantized tensor of a GGUF file (gguf_file.GGUFTensor)
-    bound for a linear layer's or an untied embedding's weight goes into `quantized` by (parameter, shard) in its own
-    format, for quantization.quantize_model to keep (None: it is dequantized onto the parameter like the others)."""
-    params = dict(model.named_parameters())
-    tied = set(model.tied_params)
-    # what keeps a file's blocks: linears, and embeddings whose matrix no head shares
-    kept_blocks = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
-                   if isinstance(m, nn.Linear) or isinstance(m, nn.Embedding)} - set(model.tied_params.values())
-    expected: set[tuple[str, int | None]] = set()
-    for name, p in params.items():
-        if name in tied:
-            continue
-        sizes = getattr(p, "shard_sizes", None)
-        expected.update((name, i) for i in range(len(sizes))) if sizes else expected.add((name, None))
-    loaded: set[tuple[str, int | None]] = set()
-    for file_name, file_tensor in weights:
-        # expand_weight: a tensor that fills several parameters comes back in pieces (ModelBase)
-        for ckpt_name, tensor in model.expand_weight(file_name, file_tensor):
-            target = model.map_weight_name(ckpt_name)
-            if target is None:
-                continue
-            pname, shard = target
-            if pname in tied:
-                continue  # e.g. lm_head.weight saved alongside tied embeddings
-            if pname not in params:
-                raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "
-                                      f"{type(model).__name__}")
-            if not isinstance(tensor, torch.Tensor):  # a GGUF file's quantized tensor
-                if quantized is not None and pname in kept_blocks:
-                    _check_shape(ckpt_name, tensor.shape, _target(params, pname, shard).shape)
-                    quantized[(pname, shard)] = tensor.to_quantized()
-                    loaded.add((pname, shard))
-                    continue
-                tensor = tensor.to_float()
-            dst = _target(params, pname, shard)
-            _check_shape(ckpt_name, tensor.shape, dst.shape)
-            dst.copy_(tensor)
-            sizes = getattr(params[pname], "shard_sizes", None)
-            # a stacked parameter given whole (an in-memory name, e.g. Kimi's conv1d) fills every shard of it
-            loaded.update((pname, i) for i in range(len(sizes))) if sizes and shard is None else loaded.add(
-                (pname, shard))
-    missing = sorted(f"{n}" + (f"[shard {s}]" if s is not None else "") for n, s in expected - loaded)
-    if missing:
-        raise WeightLoadError(f"checkpoint is missing tensor(s) for: {', '.join(missing[:10])}"
-                              + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    """Copies each checkpoint tensor onto its parameter (WeightLoader) and checks that every parameter was filled."""
+    loader = WeightLoader(model, quantized)
+    loader.load(weights)
+    loader.check_complete()
 
 
 def _target(params: dict[str, nn.Parameter], pname: str, shard: int | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ It is the model state's only caller: the engine reaches the model kind through t
 methods (update_requests, remove_request, chunk_size, parse_prompt, prepare_inputs)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -22,6 +23,7 @@ from stateserve.config import EngineConfig, ModelConfig
 from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.distributed.group import ParallelGroup
+from stateserve.distributed.load import LoadPeak, load_and_split
 from stateserve.distributed.pipeline import split_pipeline
 from stateserve.distributed.sharding import split_model
 from stateserve.layers.attention import Attention
@@ -30,7 +32,7 @@ from stateserve.model_states.interface import PoolingSpec
 from stateserve.layers.linear import FastLinear, install_fast_linear, make_batch_invariant, prepack_fast_linear
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
-from stateserve.models.loader import load_checkpoint
+from stateserve.models.loader import load_checkpoint, no_weight_init
 from stateserve.models.registry import ModelRegistry
 from stateserve.platform import cpu_threads, host_allocator, huge_pages
 from stateserve.runner import activation_profile, cuda_graphs
@@ -93,16 +95,24 @@ class ModelRunner:
         cls = ModelRegistry.resolve(self.model_config.architecture)
         torch.manual_seed(self.engine_config.seed)
         dtype, path = self.model_config.dtype, self.model_config.path
-        with torch.device(self.device):
+        streamed = self._loads_layer_by_layer(path)
+        peak = LoadPeak()  # a tensor-parallel rank logs it
+        with torch.device(self.device), (no_weight_init() if streamed else contextlib.nullcontext()):
             model = cls(self.model_config.hf_config, dtype)
-        quantized, source = load_checkpoint(model.to(dtype=dtype), path, self.engine_config, self.device,
-                                            show_progress)
-        if self.group is not None:
+        if streamed:  # a tensor-parallel rank never holds the whole model (distributed/load.py)
+            quantized, source = None, ""
+            self.vocab_split = load_and_split(model, path, dtype, self.group, self.model_config.vocab_size, peak)
+        else:
+            quantized, source = load_checkpoint(model.to(dtype=dtype), path, self.engine_config, self.device,
+                                                show_progress)
+        if self.group is not None and not streamed:
             if quantized is not None:
                 raise ValueError("tensor and pipeline parallelism take float weights: a quantized model "
                                  "(quantization= or a GGUF file's quantized tensors) runs on one rank")
             if self.engine_config.tensor_parallel_size > 1:
+                peak.measure(model, dtype)
                 self.vocab_split = split_model(model, self.group, self.model_config.vocab_size)
+                peak.log(self.group, "loaded whole, then split")
         self.model = model.eval().requires_grad_(False)
         if self.device.type != "cpu" and self.engine_config.batch_invariant:
             raise ValueError("batch_invariant=True: the batch-invariant linears are the CPU kernels' (device "
@@ -125,6 +135,15 @@ class ModelRunner:
             split_pipeline(self.model, self.group)
         self.poll_threads()
         self.profile_activations()
+
+    def _loads_layer_by_layer(self, path: str) -> bool:
+        """Whether this rank loads and splits its share a layer at a time: tensor parallelism over a safetensors
+        folder of float weights (GGUF files, dummy weights and load-time quantization load whole)."""
+        from stateserve.models.gguf_file import is_gguf
+
+        config = self.engine_config
+        return self.group is not None and config.tensor_parallel_size > 1 and config.load_format != "dummy" \
+            and config.quantization is None and not is_gguf(path)
 
     def poll_threads(self) -> None:
         """Fit the intra-op team to the cores other processes leave free (CPU; platform/cpu_threads.py)."""
