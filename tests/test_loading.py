@@ -124,3 +124,50 @@ def test_registry_plugin_lazy_string():
     assert "TinyPluginForCausalLM" in ModelRegistry.get_supported_archs()
     with pytest.raises(ValueError, match="package.module:ClassName"):
         ModelRegistry.register_model("Bad", "no_colon_here")
+
+
+def test_safetensors_reader_reads_every_dtype_as_the_library_does(tmp_path):
+    """SafetensorsReader's plain reads give the tensors safetensors' own loader gives (dtype, shape, bits), empty and
+    0-d ones included; a file cut short is named."""
+    from stateserve.models.loader import SafetensorsReader, iterate_safetensors
+
+    torch.manual_seed(0)
+    tensors = {"a.f32": torch.randn(3, 5), "b.bf16": torch.randn(7).bfloat16(), "c.f16": torch.randn(2, 2).half(),
+               "d.i64": torch.arange(6).view(2, 3), "e.u8": torch.randint(0, 255, (9,), dtype=torch.uint8),
+               "f.bool": torch.tensor([True, False, True]), "g.empty": torch.zeros(0, 4), "h.scalar": torch.tensor(2.5),
+               "i.f64": torch.randn(4, dtype=torch.float64), "j.i8": torch.tensor([-128, 0, 127], dtype=torch.int8)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = SafetensorsReader(str(tmp_path))
+    got = dict(reader.tensors(reversed(reader.names())))  # any order
+    assert got.keys() == tensors.keys() == dict(iterate_safetensors(str(tmp_path), False)).keys()
+    for name, want in load_file(str(tmp_path / "model.safetensors")).items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape and torch.equal(got[name], want), name
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 4)
+    last = max(reader.names(), key=lambda n: reader.entries[n][2]["data_offsets"][1])  # its bytes end the file
+    with pytest.raises(WeightLoadError, match=f"tensor {last!r} is cut short"):
+        dict(SafetensorsReader(str(tmp_path)).tensors([last]))
+
+
+def test_a_checkpoint_model_is_built_without_random_init_and_init_comes_back():
+    """Under no_weight_init (every checkpoint load) nn.Linear / nn.Embedding / nn.Conv1d skip their random init;
+    after it every class initialises as before (Conv1d's inherited reset_parameters included)."""
+    from torch import nn
+
+    from stateserve.models.loader import no_weight_init
+
+    calls = []
+    original = nn.Linear.reset_parameters
+    nn.Linear.reset_parameters = lambda self: calls.append(self)  # type: ignore[method-assign]
+    try:
+        with no_weight_init():
+            nn.Linear(4, 4), nn.Embedding(5, 4), nn.Conv1d(4, 4, 3)
+        assert calls == []
+        nn.Linear(4, 4)
+        assert len(calls) == 1
+    finally:
+        nn.Linear.reset_parameters = original  # type: ignore[method-assign]
+    assert "reset_parameters" not in nn.Conv1d.__dict__
+    torch.manual_seed(0)
+    conv = nn.Conv1d(4, 4, 3)
+    assert conv.weight.abs().sum() > 0 and conv.weight.abs().max() <= (1 / 12) ** 0.5

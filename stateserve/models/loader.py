@@ -1,4 +1,4 @@
-"""Weights: safetensors (single file or sharded with its index), mmap'ed, or seeded dummy weights.
+"""Weights: safetensors (single file or sharded with its index), read tensor by tensor, or seeded dummy weights.
 Every checkpoint tensor must land on a parameter of the right shape, and every parameter must be filled."""
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 
 class SafetensorsReader:
-    """A folder's tensors by name, each read on demand with plain file reads (distributed/load.py loads and splits
-    one layer at a time). Not mmap'ed: a mapping keeps every page read so far resident in this process for as long
+    """A folder's tensors by name, each read on demand with plain file reads (in file order by iterate_safetensors,
+    a layer at a time by distributed/load.py). Not mmap'ed: a mapping keeps every page read so far resident in this process for as long
     as the file stays open, the whole checkpoint by the end; read() leaves them to the page cache, which the kernel
     reclaims. The format: an 8-byte little-endian header length, a JSON header (dtype, shape, data offsets of each
     tensor), the data."""
@@ -98,11 +98,13 @@ def no_weight_init() -> Iterator[None]:
 
 
 def iterate_safetensors(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    files = safetensors_files(path)
-    for file in tqdm(files, desc="Loading safetensors shards", disable=not show_progress, leave=False):
-        with safe_open(file, framework="pt") as f:  # mmap'ed: tensors are read on access
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    """Every tensor of a folder, file by file, each read when it is reached (SafetensorsReader: plain reads)."""
+    reader = SafetensorsReader(path)
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _, _) in reader.entries.items():
+        by_file.setdefault(file, []).append(name)
+    for file in tqdm(by_file, desc="Loading safetensors shards", disable=not show_progress, leave=False):
+        yield from reader.tensors(by_file[file])
 
 
 class WeightLoader:

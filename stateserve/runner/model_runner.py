@@ -97,7 +97,10 @@ class ModelRunner:
         dtype, path = self.model_config.dtype, self.model_config.path
         streamed = self._loads_layer_by_layer(path)
         peak = LoadPeak()  # a tensor-parallel rank logs it
-        with torch.device(self.device), (no_weight_init() if streamed else contextlib.nullcontext()):
+        # a checkpoint fills every weight (the loader checks): random init would only make the float32 model
+        # resident before the cast to `dtype` (a peak of ~2x the model in bfloat16 for nothing)
+        fills = self.engine_config.load_format != "dummy"
+        with torch.device(self.device), (no_weight_init() if fills else contextlib.nullcontext()):
             model = cls(self.model_config.hf_config, dtype)
         if streamed:  # a tensor-parallel rank never holds the whole model (distributed/load.py)
             quantized, source = None, ""
@@ -120,6 +123,9 @@ class ModelRunner:
         install_fast_linear(self.model, self.model_config.dtype, self.device)
         if self.device.type == "cpu":
             huge_pages.move_parameters(self.model)
+            # the weights' old copies go back to the kernel before the panel copies are made (the tuned malloc
+            # would keep them in its heap: a load peak of one more model)
+            host_allocator.release_free_memory()
             self.poll_threads()
             self._prepack_linears()
         used = self._allocated_bytes() - before
