@@ -25,9 +25,9 @@ import stateserve
 from stateserve import LLM
 before = gib("VmRSS")
 start = time.perf_counter()
-llm = LLM(sys.argv[1], dtype=sys.argv[2], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+llm = LLM(sys.argv[1], dtype=sys.argv[2], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 27,
           enable_prefix_caching=False)
-print(json.dumps({"load_s": time.perf_counter() - start, "peak_gib": gib("VmHWM") - before,
+print(json.dumps({"source": stateserve.__file__, "load_s": time.perf_counter() - start, "peak_gib": gib("VmHWM") - before,
                   "after_gib": gib("VmRSS") - before, "model_gib": llm.llm_engine.runner.model_bytes / 2**30}))
 """
 
@@ -49,7 +49,7 @@ def main() -> None:
                 print(f"{kind}-{args.size}: failed\n{out.stderr[-2000:]}")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{kind}-{args.size}: load {r['load_s']:.1f} s; resident peak {r['peak_gib']:.2f} GiB above the "
+            print(f"{kind}-{args.size} ({os.path.dirname(os.path.dirname(r['source']))}): load {r['load_s']:.1f} s; resident peak {r['peak_gib']:.2f} GiB above the "
                   f"start, {r['after_gib']:.2f} GiB after; weights {r['model_gib']:.2f} GiB", flush=True)
 
 
