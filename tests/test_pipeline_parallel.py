@@ -121,3 +121,31 @@ def test_cli_generate_with_two_stages():
     assert out.returncode == 0, text
     assert "Pipeline parallelism: 2 ranks (gloo over loopback)" in text, text
     assert f"Output: {expected!r}" in text, text
+
+
+def test_each_stage_loads_only_its_layers(tmp_path, tokenizer_dir):
+    """`stateserve generate --pipeline-parallel-size 2` on a 12-layer bfloat16 checkpoint: the other stage's layers
+    never get memory on a rank (release_other_stages: meta before loading, their tensors skipped), so each rank's
+    load peaks near half the model (checked to fail without the release: 1.1x the model there)."""
+    import re
+
+    import torch
+
+    cfg = dict(vocab_size=300, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+               num_key_value_heads=12, max_position_embeddings=256)
+    hf = build_hf_model(LlamaConfig, LlamaForCausalLM, **cfg).to(torch.bfloat16)
+    path = save_model(hf, str(tmp_path / "llama"), tokenizer_dir)
+    del hf
+    env = {**os.environ, "STATESERVE_DISABLE_TQDM": "1"}
+    out = subprocess.run([sys.executable, "-m", "stateserve.entrypoints.cli", "generate", "--model", path, "--prompt",
+                          "hi", "--max-tokens", "2", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24),
+                          "--pipeline-parallel-size", "2"], capture_output=True, text=True, env=env, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log
+    pattern = (r"Pipeline rank (\d)/2: layers (\d+)-(\d+) loaded \(its stage\); resident memory peaked ([\d.]+) GiB "
+               r"above the [\d.]+ GiB before loading \(the whole model: ([\d.]+) GiB\)")
+    ranks = {int(m.group(1)): (int(m.group(2)), int(m.group(3)), float(m.group(4)), float(m.group(5)))
+             for m in re.finditer(pattern, log)}
+    assert ranks.keys() == {0, 1} and (ranks[0][:2], ranks[1][:2]) == ((0, 5), (6, 11)), log
+    for *_, peak, whole in ranks.values():
+        assert 0.15 < whole < 0.2 and peak < 0.75 * whole, log

@@ -54,8 +54,8 @@ def _resident_bytes(field: str) -> int:
 def load_and_split(model: nn.Module, path: str, dtype: torch.dtype, group: ParallelGroup, vocab_size: int,
                    peak: LoadPeak) -> bool:
     """Fill `model` (built under loader.no_weight_init, not yet cast) from the safetensors folder `path`, splitting
-    each layer's rule owners as soon as the layer is loaded. Returns whether the vocabulary was split."""
-    peak.measure(model, dtype)
+    each layer's rule owners as soon as the layer is loaded (`peak`: measured before). Returns whether the
+    vocabulary was split."""
     owners_at: dict[int, list[str]] = {}
     for owner in rule_owners(model):
         index = _layer_index(owner + ".")
@@ -97,10 +97,10 @@ class LoadPeak:
         self.whole_model = 0
 
     def measure(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.whole_model = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8
+        self.whole_model = sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits // 8  # meta too
 
-    def log(self, group: ParallelGroup, how: str) -> None:
+    def log(self, group: ParallelGroup, how: str, kind: str = "Tensor parallel rank") -> None:
         host_allocator.release_free_memory()
-        logger.info("Tensor parallel rank %d/%d: %s; resident memory peaked %.2f GiB above the %.2f GiB before "
-                    "loading (the whole model: %.2f GiB)", group.rank, group.size, how,
+        logger.info("%s %d/%d: %s; resident memory peaked %.2f GiB above the %.2f GiB before loading (the whole "
+                    "model: %.2f GiB)", kind, group.rank, group.size, how,
                     (_resident_bytes("VmHWM") - self.before) / GiB, self.before / GiB, self.whole_model / GiB)

@@ -81,6 +81,23 @@ class RemoteLayer(nn.Module):
         return f"index={self.index}, owner=rank {self.owner}"
 
 
+def release_other_stages(model: nn.Module, group: ParallelGroup) -> tuple[int, int] | None:
+    """Before loading: the layers other stages own move to the meta device (their weights, never initialised, are
+    dropped without ever being resident), so the loader skips their tensors and this rank holds only its stage.
+    Returns this stage's layers [first, end) (None: the model has no pipeline layer list; split_pipeline refuses
+    it). The modules stay in place until split_pipeline, so every stage still plans the caches of all layers."""
+    path = model.pipeline_layers
+    if path is None:
+        return None
+    layers: nn.ModuleList = model.get_submodule(path)
+    bounds = stage_bounds(len(layers), group.size)
+    first, end = bounds[group.rank], bounds[group.rank + 1]
+    for i, layer in enumerate(layers):
+        if not first <= i < end:
+            layer.to(device="meta")
+    return first, end
+
+
 def split_pipeline(model: nn.Module, group: ParallelGroup) -> None:
     """Keep this rank's stage of the model's layers; the others become RemoteLayers."""
     path, carry = model.pipeline_layers, model.pipeline_carry

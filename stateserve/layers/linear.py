@@ -48,7 +48,7 @@ class FastLinear(nn.Linear):
         if lane_order is not None:
             self.lane_order = lane_order
         routes, weight = self.routes, self.weight.detach()
-        if routes is None or routes.pack is None or not routes.panel_takes(self.in_features):
+        if routes is None or routes.pack is None or not routes.panel_takes(self.in_features) or weight.is_meta:
             return 0
         step = 2 if weight.dtype == torch.bfloat16 else 1
         shape = (-(-self.out_features // PANEL_COLUMNS), self.in_features // step, PANEL_COLUMNS)
@@ -172,7 +172,7 @@ def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
                 m.few_row_rows = 1 << 62
             else:
                 stray.append(name + " (experts)")
-        if not isinstance(m, FastLinear):
+        if not isinstance(m, FastLinear) or m.weight.is_meta:  # meta: another pipeline stage's layer
             continue
         if m.packed is None and m.routes is not None and m.routes.few_row is not None:
             m.max_rows = 1 << 62

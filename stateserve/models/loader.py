@@ -123,7 +123,7 @@ class WeightLoader:
                             if isinstance(m, nn.Linear) or isinstance(m, nn.Embedding)} - set(model.tied_params.values())
         self.expected: set[tuple[str, int | None]] = set()
         for name, p in self.params.items():
-            if name in self.tied:
+            if name in self.tied or p.is_meta:  # meta: a layer of another pipeline stage, never loaded here
                 continue
             sizes = getattr(p, "shard_sizes", None)
             self.expected.update((name, i) for i in range(len(sizes))) if sizes else self.expected.add((name, None))
@@ -139,8 +139,8 @@ class WeightLoader:
                 if target is None:
                     continue
                 pname, shard = target
-                if pname in self.tied:
-                    continue  # e.g. lm_head.weight saved alongside tied embeddings
+                if pname in self.tied or (pname in params and params[pname].is_meta):
+                    continue  # e.g. lm_head.weight saved alongside tied embeddings; another stage's layer
                 if pname not in params:
                     done = [p for p in self.retired if pname.startswith(p + ".")]
                     raise WeightLoadError(f"checkpoint tensor {ckpt_name!r} does not match any parameter of "

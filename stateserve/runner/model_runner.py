@@ -24,7 +24,7 @@ from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.distributed.group import ParallelGroup
 from stateserve.distributed.load import LoadPeak, load_and_split
-from stateserve.distributed.pipeline import split_pipeline
+from stateserve.distributed.pipeline import release_other_stages, split_pipeline
 from stateserve.distributed.sharding import split_model
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
@@ -96,12 +96,15 @@ class ModelRunner:
         torch.manual_seed(self.engine_config.seed)
         dtype, path = self.model_config.dtype, self.model_config.path
         streamed = self._loads_layer_by_layer(path)
-        peak = LoadPeak()  # a tensor-parallel rank logs it
+        peak = LoadPeak()  # a tensor- or pipeline-parallel rank logs it
         # a checkpoint fills every weight (the loader checks): random init would only make the float32 model
         # resident before the cast to `dtype` (a peak of ~2x the model in bfloat16 for nothing)
         fills = self.engine_config.load_format != "dummy"
         with torch.device(self.device), (no_weight_init() if fills else contextlib.nullcontext()):
             model = cls(self.model_config.hf_config, dtype)
+        peak.measure(model, dtype)
+        pipelined = self.group is not None and self.engine_config.pipeline_parallel_size > 1
+        stage = release_other_stages(model, self.group) if pipelined else None  # type: ignore[arg-type]
         if streamed:  # a tensor-parallel rank never holds the whole model (distributed/load.py)
             quantized, source = None, ""
             self.vocab_split = load_and_split(model, path, dtype, self.group, self.model_config.vocab_size, peak)
@@ -113,9 +116,10 @@ class ModelRunner:
                 raise ValueError("tensor and pipeline parallelism take float weights: a quantized model "
                                  "(quantization= or a GGUF file's quantized tensors) runs on one rank")
             if self.engine_config.tensor_parallel_size > 1:
-                peak.measure(model, dtype)
                 self.vocab_split = split_model(model, self.group, self.model_config.vocab_size)
                 peak.log(self.group, "loaded whole, then split")
+            if stage is not None:
+                peak.log(self.group, f"layers {stage[0]}-{stage[1] - 1} loaded (its stage)", "Pipeline rank")
         self.model = model.eval().requires_grad_(False)
         if self.device.type != "cpu" and self.engine_config.batch_invariant:
             raise ValueError("batch_invariant=True: the batch-invariant linears are the CPU kernels' (device "
@@ -130,13 +134,13 @@ class ModelRunner:
             self._prepack_linears()
         used = self._allocated_bytes() - before
         if self.device.type == "cpu":
-            used = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+            used = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta) + \
                 (quantized.weight_bytes if quantized is not None else 0)
         self.model_bytes = used
         logger.info("Model loading took %.4f GiB memory and %.2f seconds%s%s", used / GiB, time.perf_counter() - start,
                     source, f"; {quantized.describe()}" if quantized is not None else "")
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
-        if self.group is not None and self.engine_config.pipeline_parallel_size > 1:
+        if pipelined:
             self._plan_specs = self.cache_specs()  # every stage's, for the plan all ranks share
             split_pipeline(self.model, self.group)
         self.poll_threads()
@@ -163,7 +167,7 @@ class ModelRunner:
         invariant = self.engine_config.batch_invariant_linears
         if envs.STATESERVE_PACK_LINEARS:
             linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                               if isinstance(m, FastLinear))
+                               if isinstance(m, FastLinear) and not m.weight.is_meta)
             if linear_bytes > _available_host_memory() // 4:
                 logger.info("Linear weight packing skipped: the copy (%.2f GiB) would take over a quarter of free "
                             "memory", linear_bytes / GiB)
