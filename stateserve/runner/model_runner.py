@@ -6,7 +6,6 @@ It is the model state's only caller: the engine reaches the model kind through t
 methods (update_requests, remove_request, chunk_size, parse_prompt, prepare_inputs)."""
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
@@ -23,19 +22,16 @@ from stateserve.config import EngineConfig, ModelConfig
 from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.load import LoadPeak, load_and_split
-from stateserve.distributed.pipeline import release_other_stages, split_pipeline
-from stateserve.distributed.sharding import split_model
+from stateserve.distributed.pipeline import split_pipeline
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.interface import PoolingSpec
 from stateserve.layers.linear import FastLinear, install_fast_linear, make_batch_invariant, prepack_fast_linear
 from stateserve.layers.recurrent import StatefulLayer
 from stateserve.model_states import init_model_state
-from stateserve.models.loader import load_checkpoint, no_weight_init
-from stateserve.models.registry import ModelRegistry
 from stateserve.platform import cpu_threads, host_allocator, huge_pages
 from stateserve.runner import activation_profile, cuda_graphs
+from stateserve.runner.model_loading import build_and_load
 from stateserve.runner.sampler import SampleResult, Sampler, prompt_logprobs
 from stateserve.runner import spec_verify
 
@@ -92,34 +88,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_allocator.tune()
         before = self._allocated_bytes()
-        cls = ModelRegistry.resolve(self.model_config.architecture)
-        torch.manual_seed(self.engine_config.seed)
-        dtype, path = self.model_config.dtype, self.model_config.path
-        streamed = self._loads_layer_by_layer(path)
-        peak = LoadPeak()  # a tensor- or pipeline-parallel rank logs it
-        # a checkpoint fills every weight (the loader checks): random init would only make the float32 model
-        # resident before the cast to `dtype` (a peak of ~2x the model in bfloat16 for nothing)
-        fills = self.engine_config.load_format != "dummy"
-        with torch.device(self.device), (no_weight_init() if fills else contextlib.nullcontext()):
-            model = cls(self.model_config.hf_config, dtype)
-        peak.measure(model, dtype)
-        pipelined = self.group is not None and self.engine_config.pipeline_parallel_size > 1
-        stage = release_other_stages(model, self.group) if pipelined else None  # type: ignore[arg-type]
-        if streamed:  # a tensor-parallel rank never holds the whole model (distributed/load.py)
-            quantized, source = None, ""
-            self.vocab_split = load_and_split(model, path, dtype, self.group, self.model_config.vocab_size, peak)
-        else:
-            quantized, source = load_checkpoint(model.to(dtype=dtype), path, self.engine_config, self.device,
-                                                show_progress)
-        if self.group is not None and not streamed:
-            if quantized is not None:
-                raise ValueError("tensor and pipeline parallelism take float weights: a quantized model "
-                                 "(quantization= or a GGUF file's quantized tensors) runs on one rank")
-            if self.engine_config.tensor_parallel_size > 1:
-                self.vocab_split = split_model(model, self.group, self.model_config.vocab_size)
-                peak.log(self.group, "loaded whole, then split")
-            if stage is not None:
-                peak.log(self.group, f"layers {stage[0]}-{stage[1] - 1} loaded (its stage)", "Pipeline rank")
+        loaded = build_and_load(self.engine_config, self.model_config, self.device, self.group, show_progress)
+        model, quantized, source, self.vocab_split = loaded.model, loaded.quantized, loaded.source, loaded.vocab_split
         self.model = model.eval().requires_grad_(False)
         if self.device.type != "cpu" and self.engine_config.batch_invariant:
             raise ValueError("batch_invariant=True: the batch-invariant linears are the CPU kernels' (device "
@@ -140,20 +110,11 @@ class ModelRunner:
         logger.info("Model loading took %.4f GiB memory and %.2f seconds%s%s", used / GiB, time.perf_counter() - start,
                     source, f"; {quantized.describe()}" if quantized is not None else "")
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
-        if pipelined:
+        if self.group is not None and self.engine_config.pipeline_parallel_size > 1:
             self._plan_specs = self.cache_specs()  # every stage's, for the plan all ranks share
-            split_pipeline(self.model, self.group)
+            split_pipeline(self.model, self.group)  # (which refuses a model without a layer list)
         self.poll_threads()
         self.profile_activations()
-
-    def _loads_layer_by_layer(self, path: str) -> bool:
-        """Whether this rank loads and splits its share a layer at a time: tensor parallelism over a safetensors
-        folder of float weights (GGUF files, dummy weights and load-time quantization load whole)."""
-        from stateserve.models.gguf_file import is_gguf
-
-        config = self.engine_config
-        return self.group is not None and config.tensor_parallel_size > 1 and config.load_format != "dummy" \
-            and config.quantization is None and not is_gguf(path)
 
     def poll_threads(self) -> None:
         """Fit the intra-op team to the cores other processes leave free (CPU; platform/cpu_threads.py)."""
