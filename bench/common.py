@@ -19,6 +19,7 @@ def _configs(size: str) -> dict:
     from transformers import MiniMaxConfig
     from transformers import RecurrentGemmaConfig
     from transformers import xLSTMConfig
+    from transformers import Lfm2MoeConfig, Lfm3Config, Qwen3_5MoeTextConfig
 
     if size == "small":  # quick runs: a few seconds per measurement on 2 cores
         h, layers, vocab = 256, 4, 8192
@@ -63,6 +64,37 @@ def _configs(size: str) -> dict:
                                             linear_key_head_dim=64, linear_value_head_dim=64,
                                             full_attention_interval=4, tie_word_embeddings=False,
                                             max_position_embeddings=8192)),
+        # Qwen3.5 MoE: qwen3_5's layers with MoE feed-forwards of 8 experts of 192 (top 2) plus a shared expert of
+        # 192, about the dense MLP's parameters (base ~127M in all)
+        "qwen3_5_moe": (Qwen3_5MoeTextConfig, dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
+                                                   num_attention_heads=h // 64,
+                                                   num_key_value_heads=max(1, h // 64 // 4), head_dim=64,
+                                                   linear_num_key_heads=h // 128, linear_num_value_heads=h // 64,
+                                                   linear_key_head_dim=64, linear_value_head_dim=64,
+                                                   moe_intermediate_size=192, shared_expert_intermediate_size=192,
+                                                   num_experts=8, num_experts_per_tok=2,
+                                                   layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                                                                for i in range(layers)],
+                                                   tie_word_embeddings=False, max_position_embeddings=8192)),
+        # LFM2-MoE: lfm2's layer pattern, the first two layers dense, then 8 experts of 256 (top 2)
+        "lfm2_moe": (Lfm2MoeConfig, dict(vocab_size=vocab, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
+                                         moe_intermediate_size=256, num_hidden_layers=layers, num_dense_layers=2,
+                                         num_experts=8, num_experts_per_tok=2, num_attention_heads=h // 64,
+                                         num_key_value_heads=max(1, h // 64 // 4), conv_L_cache=3,
+                                         layer_types=["full_attention" if i % 3 == 2 else "conv"
+                                                      for i in range(layers)],
+                                         tie_word_embeddings=False, max_position_embeddings=8192)),
+        # LFM3: transformers' default pattern cut to `layers` (conv, conv, full, conv, sliding, ...), window 256,
+        # llama's MLP width (LFM3 does not adjust it): base ~130M
+        "lfm3": (Lfm3Config, dict(vocab_size=vocab, hidden_size=h, intermediate_size=h * 8 // 3 // 64 * 64,
+                                  num_hidden_layers=layers, num_attention_heads=h // 64,
+                                  num_key_value_heads=max(1, h // 64 // 4), head_dim=64, sliding_window=256,
+                                  layer_types=["conv" if i < 2 or i % 2 else
+                                               ("full_attention" if i % 4 == 2 else "sliding_attention")
+                                               for i in range(layers)],
+                                  tie_word_embeddings=False, max_position_embeddings=8192,
+                                  # its defaults (124893..124900) lie outside this vocab
+                                  pad_token_id=None, bos_token_id=1, eos_token_id=2)),
         # OLMo Hybrid: transformers' default pattern (every fourth layer full attention), MHA with full-width q/k
         # norms, as many delta-net key / value heads as attention heads, an MLP of 2h: base is ~125M. Key and value
         # heads of 64 (the released models' values are twice their keys): transformers 5.24 saves the fused conv
@@ -132,8 +164,8 @@ def _configs(size: str) -> dict:
     }
 
 
-KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba", "lfm2", "qwen3_5", "olmo_hybrid", "kimi_linear",
-         "bailing_hybrid", "recurrent_gemma", "minimax", "xlstm")
+KINDS = ("llama", "mamba", "mamba2", "jamba", "bamba", "lfm2", "lfm2_moe", "lfm3", "qwen3_5", "qwen3_5_moe",
+         "olmo_hybrid", "kimi_linear", "bailing_hybrid", "recurrent_gemma", "minimax", "xlstm")
 
 
 def model_folder(kind: str, size: str = "base", dtype: torch.dtype = torch.float32) -> str:
