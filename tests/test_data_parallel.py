@@ -266,3 +266,60 @@ def test_data_parallel_size_below_one_is_a_clear_error(value, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --data-parallel-size: " in err and ">= 1" in err and value in err, err
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each_answer_like_one_engine():
+    """`--data-parallel-size 2 --tensor-parallel-size 2`: two replicas, each rank 0 here plus a worker process on
+    the replica's own slice of the CPUs; concurrent completions land on both and equal one plain engine's greedy
+    text; a clean shutdown stops every rank."""
+    from stateserve import LLM, SamplingParams
+    from stateserve.assets import default_model_path
+
+    model = default_model_path()
+    prompts = ["The cat", "Once upon a time"]
+    with LLM(model, kv_cache_memory_bytes=1 << 24) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))]
+    proc, url, lines = start_server(model, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                                    "--served-model-name", NAME, "--kv-cache-memory-bytes", str(16 << 20),
+                                    "--uvicorn-log-level", "warning")
+    try:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+                done = await asyncio.gather(*(c.completions.create(model=NAME, prompt=p, max_tokens=12,
+                                                                   temperature=0) for p in prompts))
+                return [d.choices[0].text for d in done]
+
+        assert asyncio.run(main()) == expected
+        served = replica_metrics(url, "prompt_tokens_total")
+        assert served["0"] > 0 and served["1"] > 0, served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    log = "".join(lines)
+    assert rc == 0, log
+    assert log.count("Tensor parallelism: 2 ranks (gloo over loopback)") == 2, log
+    assert all(f"data-parallel replica {i}/2 ready" in log for i in range(2)), log
+
+
+def test_data_parallel_with_several_nodes_is_refused(capsys):
+    from stateserve.entrypoints.cli import main
+
+    rc = main(["serve", "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2",
+               "--node-rank", "0", "--distributed-init-method", "tcp://127.0.0.1:29555", "--port", "0"])
+    assert rc != 0
+    assert "cannot be combined with --nnodes or --distributed-init-method" in capsys.readouterr().err
+
+
+def test_each_replica_starts_its_ranks_on_its_own_slice_of_the_cpus(monkeypatch):
+    """distributed/driver.replica_cpus: while replica i of n is built, its ranks divide only CPUs
+    [i * C / n, (i + 1) * C / n) among themselves; outside a build they divide all of them."""
+    from stateserve.distributed import driver
+
+    monkeypatch.setattr(driver.cpu_threads, "usable_cpus", lambda: frozenset(range(8)))
+    monkeypatch.setattr("stateserve.envs.STATESERVE_NUM_THREADS", 0, raising=False)
+    assert driver._cpu_shares(2) == (4, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    with driver.replica_cpus(1, 2):
+        assert driver._cpu_shares(2) == (2, [[4, 5], [6, 7]])
+    with driver.replica_cpus(0, 4):
+        assert driver._cpu_shares(2) == (1, [[0], [1]])
+    assert driver._replica is None

@@ -12,10 +12,11 @@ other error after a step was sent is fatal too: the ranks could no longer agree 
 A headless node (`--node-rank` > 0) runs only workers: `run_worker_node`."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -39,12 +40,31 @@ def local_ranks(config: Any) -> range:
     return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
 
 
+_replica: tuple[int, int] | None = None  # (index, count) of the data-parallel replica being built in this process
+
+
+@contextlib.contextmanager
+def replica_cpus(index: int, count: int) -> Iterator[None]:
+    """While data-parallel replica `index` of `count` is built (one after another, entrypoints/data_parallel.py):
+    the ranks it starts share only its slice of this host's CPUs, so replicas of several ranks do not overlap."""
+    global _replica
+    _replica = (index, count)
+    try:
+        yield
+    finally:
+        _replica = None
+
+
 def _cpu_shares(count: int) -> tuple[int, list[list[int]]]:
-    """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs (at most
-    STATESERVE_NUM_THREADS threads each, when it is set)."""
+    """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs (a replica's
+    slice of them while one is built; at most STATESERVE_NUM_THREADS threads each, when it is set)."""
     from stateserve import envs
 
     cpus = sorted(cpu_threads.usable_cpus())
+    if _replica is not None:
+        index, replicas = _replica
+        per_replica = max(1, len(cpus) // replicas)
+        cpus = cpus[index * per_replica:(index + 1) * per_replica] or cpus
     per = max(1, len(cpus) // count)
     threads = min(per, envs.STATESERVE_NUM_THREADS) if envs.STATESERVE_NUM_THREADS > 0 else per
     return threads, [cpus[i * per:(i + 1) * per] or cpus for i in range(count)]

@@ -61,11 +61,15 @@ class ReplicaTeam:
 
 
 def split_threads(engine: Any, replicas: int) -> int | None:
-    """Each runner of a replica's engine (model, draft model) computes on its share; returns it (None off CPU)."""
+    """Each runner of a replica's engine (model, draft model) computes on its share; returns it (None off CPU). A
+    replica of several ranks got its share of the CPUs when it started them (distributed/driver.replica_cpus)."""
     proposer = getattr(getattr(engine, "speculator", None), "proposer", None)
     share = None
     for runner in (getattr(engine, "runner", None), getattr(proposer, "runner", None)):
         team = getattr(runner, "threads", None)
+        if getattr(runner, "group", None) is not None and isinstance(team, ThreadGovernor):
+            share = team.max_threads  # each rank's threads, already within the replica's CPUs
+            continue
         if isinstance(team, ThreadGovernor):
             runner.threads = team = ReplicaTeam(team, replicas)
         if isinstance(team, ReplicaTeam):
@@ -237,8 +241,11 @@ def build_data_parallel(factory: Callable[[], Any], replicas: int,
     interrupted or failed start frees the engines already built."""
     engines: list[Any] = []
     try:
+        from stateserve.distributed.driver import replica_cpus
+
         for i in range(replicas):
-            engines.append(build_off_main_thread(factory))
+            with replica_cpus(i, replicas):
+                engines.append(build_off_main_thread(factory))
             threads = split_threads(engines[-1], replicas)
             logger.info("data-parallel replica %d/%d ready%s", i, replicas,
                         "" if threads is None else f" ({threads} intra-op thread(s))")

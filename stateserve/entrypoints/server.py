@@ -257,9 +257,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_kwargs(model=model, **engine_kwargs(args))  # bad arguments raise here
         factory = lambda: build_engine(config, show_progress=not envs.STATESERVE_DISABLE_TQDM)  # noqa: E731
-        if args.data_parallel_size > 1 and config.world_size > 1:
-            raise ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
-                             "--pipeline-parallel-size yet")
+        if args.data_parallel_size > 1 and (config.nnodes > 1 or config.distributed_init_method is not None):
+            raise ValueError("--data-parallel-size runs its replicas on this host, each meeting its ranks at a port "
+                             "of its own: it cannot be combined with --nnodes or --distributed-init-method yet")
         if args.data_parallel_size == 1:
             llm_engine = build_off_main_thread(factory)
             engine = AsyncEngine(llm_engine, args.max_waiting_requests)
