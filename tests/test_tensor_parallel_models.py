@@ -18,6 +18,7 @@ from test_jamba import _build as jamba
 from test_kimi_linear import _build as kimi
 from test_mamba import _build as mamba_build
 from test_mamba2 import _build as mamba2_build
+from test_minimax import _build as minimax
 from test_lfm2 import _build as lfm
 from test_nemotron_h import _build as nemotron_h
 from test_qwen3_next import _build as qwen3_next
@@ -79,6 +80,7 @@ PARITY = {
     "lfm3": (lambda tmp_path, **kw: lfm("lfm3", tmp_path, **kw), {}, 1e-4),  # attention with a per-head gate
     "kimi_linear": (kimi, {}, 1e-4),  # KDA and MLA (the latent cache whole on each rank), MoE
     "bailing_hybrid": (bailing, {}, 1e-4),  # KDA with full-rank gates, MLA with rotary and a per-head gate
+    "minimax": (minimax, {}, 1e-4),  # lightning attention (its norm over all heads spans the ranks), MoE
     # NemotronH with every bias on (kept once on the split products) and its MoE with latent experts
     "nemotron_h": (nemotron_h, {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "use_bias": True,
                                 "mlp_bias": True, "moe_latent_size": 16}, 1e-4),

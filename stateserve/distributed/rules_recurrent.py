@@ -16,6 +16,8 @@ split, hold only those. The input projection is column-parallel part by part, th
   (Qwen3-Next's rows grouped per key head, or flat). Its gated norm is per head: local.
 - ShortConv (LFM2 / LFM3): channels; in_proj's [B | C | u] parts column-parallel, the conv per channel, out_proj
   row-parallel.
+- LightningAttention (MiniMax): heads, with their [q | k | v] rows, output-gate rows and decay slopes; the RMSNorm
+  over all heads' outputs sums its squares over the ranks (`SplitRMSNorm`, one all-reduce of [tokens] floats).
 The fused C++ decode paths of these layers take their projections through decode_projections(), which refuses a
 RowParallelLinear, so a split layer always runs op by op."""
 from __future__ import annotations
@@ -29,6 +31,7 @@ from stateserve.distributed.sharding import (TensorParallelError, column_paralle
                                              rank_share, row_parallel, set_param, share_or_replica, split_rule,
                                              take_rows)
 from stateserve.layers.delta_rule import GatedDeltaNet
+from stateserve.layers.lightning import LightningAttention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.selective_scan import MambaMixer
 from stateserve.layers.short_conv import ShortConv
@@ -214,3 +217,31 @@ def split_short_conv(layer: ShortConv, group: ParallelGroup) -> None:
     conv_channels(layer.conv1d, [channels], [share])
     layer.out_proj = row_parallel(layer.out_proj, group, share)
     layer.hidden_size = share.stop - share.start
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm (layers/norm.py) over features split across the ranks: each rank normalises its slice by the mean
+    square of all of them (one all-reduce of a float32 per row), then times its slice of the weight; RMSNorm's
+    rounding (normalised in float32, cast to x's dtype, times the weight)."""
+
+    def __init__(self, weight: torch.Tensor, total: int, eps: float, group: ParallelGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.total, self.eps, self.group = total, eps, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, local] -> [T, local]
+        xf = x.float()
+        squares = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True).contiguous())
+        return self.weight * (xf * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
+
+
+@split_rule(LightningAttention)
+def split_lightning(layer: LightningAttention, group: ParallelGroup) -> None:
+    heads = rank_share(layer.num_heads, group, "MiniMax num_attention_heads")
+    d, total = layer.head_dim, layer.num_heads * layer.head_dim
+    column_parallel(layer.qkv_proj, [head_rows(heads, 3 * d)])  # per head [q | k | v]
+    column_parallel(layer.output_gate, [head_rows(heads, d)])
+    layer.norm = SplitRMSNorm(layer.norm.weight.data[head_rows(heads, d)], total, layer.norm.eps, group)
+    layer.out_proj = row_parallel(layer.out_proj, group, head_rows(heads, d))
+    layer.keep_heads(heads.start, heads.stop - heads.start)

@@ -76,13 +76,24 @@ class LightningAttention(StatefulLayer):
         self.output_gate = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.out_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self._depth = (layer_idx, num_layers)
-        self.register_buffer("slopes", lightning_slopes(num_heads, layer_idx, num_layers), persistent=False)
+        # the layer's heads [first_head, first_head + num_heads) of all_heads: a tensor-parallel rank keeps a share
+        self.all_heads, self.first_head = num_heads, 0
+        self.register_buffer("slopes", self._slopes(torch.device("cpu")), persistent=False)
+
+    def _slopes(self, device: torch.device) -> torch.Tensor:
+        rates = lightning_slopes(self.all_heads, *self._depth)  # the slope of a head depends on the layer's count
+        return rates[self.first_head:self.first_head + self.num_heads].to(device)
+
+    def keep_heads(self, first: int, count: int) -> None:
+        """A tensor-parallel rank's heads [first, first + count) (distributed/rules_recurrent.py)."""
+        self.first_head, self.num_heads = first, count
+        self.slopes = self._slopes(self.slopes.device)
 
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         # recomputed in float32 on the new device, not cast back: a rate once rounded to bfloat16 by a dtype change
         # would change every token's decay
-        self.slopes = lightning_slopes(self.num_heads, *self._depth).to(self.slopes.device)
+        self.slopes = self._slopes(self.slopes.device)
         return self
 
     def cache_spec(self) -> StateSpec:
