@@ -21,6 +21,7 @@ from test_mamba2 import _build as mamba2_build
 from test_minimax import _build as minimax
 from test_lfm2 import _build as lfm
 from test_nemotron_h import _build as nemotron_h
+from test_olmo_hybrid import _build as olmo_hybrid
 from test_qwen3_next import _build as qwen3_next
 from state_checks import check_speculative_rollback_exact
 from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
@@ -81,6 +82,9 @@ PARITY = {
     "kimi_linear": (kimi, {}, 1e-4),  # KDA and MLA (the latent cache whole on each rank), MoE
     "bailing_hybrid": (bailing, {}, 1e-4),  # KDA with full-rank gates, MLA with rotary and a per-head gate
     "minimax": (minimax, {}, 1e-4),  # lightning attention (its norm over all heads spans the ranks), MoE
+    # q/k norms over all heads span the ranks; with one KV head it is replicated on both (its squares count once)
+    "olmo_hybrid": (olmo_hybrid, {}, 1e-4),
+    "olmo_hybrid_kv1": (olmo_hybrid, {"num_key_value_heads": 1}, 1e-4),
     # NemotronH with every bias on (kept once on the split products) and its MoE with latent experts
     "nemotron_h": (nemotron_h, {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "use_bias": True,
                                 "mlp_bias": True, "moe_latent_size": 16}, 1e-4),

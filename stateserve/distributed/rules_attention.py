@@ -3,15 +3,16 @@
 Attention: each rank keeps num_heads / N query heads and their K/V heads: num_kv_heads / N of them when they
 divide, else (fewer KV heads than ranks) the one KV head its query heads read, replicated on the ranks that share
 it. qkv_proj is column-parallel part by part, o_proj row-parallel: one all-reduce per attention block. Each rank's
-paged cache then holds only its KV heads (the layer's cache spec shrinks with it).
+paged cache then holds only its KV heads (the layer's cache spec shrinks with it). OLMo Hybrid's q/k norms over all
+heads become SplitRMSNorms (their squares summed over the ranks).
 MLP: gate/up column-parallel, down row-parallel: one all-reduce."""
 from __future__ import annotations
 
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import (column_parallel, head_rows, rank_share, row_parallel, share_or_replica,
-                                             split_rule)
+from stateserve.distributed.sharding import (SplitRMSNorm, column_parallel, head_rows, rank_share, row_parallel,
+                                             share_or_replica, split_rule)
 from stateserve.layers.decoder_layer import DecoderAttention, GatedMLP
 from stateserve.layers.qkv_attention import QKVAttention
 
@@ -48,16 +49,32 @@ def split_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
     mlp.down_proj = row_parallel(mlp.down_proj, group, share)
 
 
+def split_olmo_hybrid_attention(layer: nn.Module, group: ParallelGroup) -> None:
+    """OLMo Hybrid: the qkv layout, with q and k each RMS-normed over all heads at once: SplitRMSNorm (one all-reduce
+    each; KV heads replicated over ranks count once)."""
+    d, num_heads, num_kv = layer.head_dim, layer.num_heads, layer.num_kv_heads
+    heads = rank_share(num_heads, group, "num_attention_heads")
+    kv = share_or_replica(num_kv, group, "num_key_value_heads")
+    split_qkv_attention(layer, group)
+    q_norm, k_norm = layer.q_norm, layer.k_norm
+    layer.q_norm = SplitRMSNorm(q_norm.weight.data[head_rows(heads, d)], num_heads * d, q_norm.eps, group,
+                                weight_first=True)
+    layer.k_norm = SplitRMSNorm(k_norm.weight.data[head_rows(kv, d)], num_kv * d, k_norm.eps, group,
+                                replicas=max(1, group.size // num_kv), weight_first=True)
+
+
 def _register_model_classes() -> None:
     from stateserve.layers.moe import GatedMLPExpert
     from stateserve.models.bamba import BambaMLP  # same layout: gate_up_proj [gate; up], down_proj
     from stateserve.models.lfm2 import LfmAttention
+    from stateserve.models.olmo_hybrid import OlmoHybridAttention
     from stateserve.models.qwen3_next import Qwen3NextAttention
 
     split_rule(GatedMLP, BambaMLP, GatedMLPExpert)(split_gated_mlp)
     # attention blocks of the qkv layout whose per-head norms (q_norm / k_norm over head_dim) need nothing more
     split_rule(DecoderAttention, QKVAttention, Qwen3NextAttention)(split_qkv_attention)
     split_rule(LfmAttention)(split_lfm_attention)
+    split_rule(OlmoHybridAttention)(split_olmo_hybrid_attention)
 
 
 _register_model_classes()

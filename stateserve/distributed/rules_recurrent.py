@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.sharding import (TensorParallelError, column_parallel, conv_channels, head_rows,
-                                             rank_share, row_parallel, set_param, share_or_replica, split_rule,
-                                             take_rows)
+from stateserve.distributed.sharding import (SplitRMSNorm, TensorParallelError, column_parallel, conv_channels,
+                                             head_rows, rank_share, row_parallel, set_param, share_or_replica,
+                                             split_rule, take_rows)
 from stateserve.layers.delta_rule import GatedDeltaNet
 from stateserve.layers.lightning import LightningAttention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
@@ -217,23 +217,6 @@ def split_short_conv(layer: ShortConv, group: ParallelGroup) -> None:
     conv_channels(layer.conv1d, [channels], [share])
     layer.out_proj = row_parallel(layer.out_proj, group, share)
     layer.hidden_size = share.stop - share.start
-
-
-class SplitRMSNorm(nn.Module):
-    """RMSNorm (layers/norm.py) over features split across the ranks: each rank normalises its slice by the mean
-    square of all of them (one all-reduce of a float32 per row), then times its slice of the weight; RMSNorm's
-    rounding (normalised in float32, cast to x's dtype, times the weight)."""
-
-    def __init__(self, weight: torch.Tensor, total: int, eps: float, group: ParallelGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        self.total, self.eps, self.group = total, eps, group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, local] -> [T, local]
-        xf = x.float()
-        squares = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True).contiguous())
-        return self.weight * (xf * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
 
 
 @split_rule(LightningAttention)

@@ -176,6 +176,30 @@ def split_module(model: nn.Module, name: str, group: ParallelGroup) -> None:
     _rule_for(module)(module, group)  # type: ignore[misc]
 
 
+class SplitRMSNorm(nn.Module):
+    """An RMSNorm over features split across the ranks (lightning attention's norm over all heads, OLMo Hybrid's q/k
+    norms): each rank normalises its slice by the mean square of all of them (one all-reduce of a float32 per row),
+    times its slice of the weight. `replicas`: on how many ranks each of this rank's features lives (features
+    replicated with fewer KV heads than ranks count once). Rounding as layers/norm.RMSNorm (normalised in float32,
+    cast, times the weight), or with weight_first as OLMo's norm (times the weight in float32, then cast)."""
+
+    def __init__(self, weight: torch.Tensor, total: int, eps: float, group: ParallelGroup, replicas: int = 1,
+                 weight_first: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.total, self.eps, self.group = total, eps, group
+        self.replicas, self.weight_first = replicas, weight_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, local] -> [T, local]
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.replicas > 1:
+            squares = squares / self.replicas
+        normed = xf * torch.rsqrt(self.group.all_reduce(squares.contiguous()) / self.total + self.eps)
+        return (self.weight * normed).to(x.dtype) if self.weight_first else self.weight * normed.to(x.dtype)
+
+
 def split_model(model: nn.Module, group: ParallelGroup, vocab_size: int, already: tuple[str, ...] = ()) -> bool:
     """Apply every layer's split rule (rule_owners; `already`: those split as they were loaded, distributed/load.py),
     split the vocabulary (distributed/vocab.py) and log what stays whole on every rank. Returns whether the
