@@ -4,7 +4,8 @@ Attention: each rank keeps num_heads / N query heads and their K/V heads: num_kv
 divide, else (fewer KV heads than ranks) the one KV head its query heads read, replicated on the ranks that share
 it. qkv_proj is column-parallel part by part, o_proj row-parallel: one all-reduce per attention block. Each rank's
 paged cache then holds only its KV heads (the layer's cache spec shrinks with it). OLMo Hybrid's q/k norms over all
-heads become SplitRMSNorms (their squares summed over the ranks).
+heads become SplitRMSNorms (their squares summed over the ranks); RecurrentGemma's local attention and MLP keep
+q/k/v and gate/up as separate matrices, split the same way.
 MLP: gate/up column-parallel, down row-parallel: one all-reduce."""
 from __future__ import annotations
 
@@ -63,11 +64,34 @@ def split_olmo_hybrid_attention(layer: nn.Module, group: ParallelGroup) -> None:
                                 replicas=max(1, group.size // num_kv), weight_first=True)
 
 
+def split_separate_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None:
+    """An attention block with separate q_proj, k_proj, v_proj (RecurrentGemma's local attention): their rows of
+    the rank's query and KV heads, o_proj row-parallel."""
+    d = layer.head_dim
+    heads = rank_share(layer.num_heads, group, "num_attention_heads")
+    kv = share_or_replica(layer.num_kv_heads, group, "num_key_value_heads")
+    column_parallel(layer.q_proj, [head_rows(heads, d)])
+    column_parallel(layer.k_proj, [head_rows(kv, d)])
+    column_parallel(layer.v_proj, [head_rows(kv, d)])
+    layer.o_proj = row_parallel(layer.o_proj, group, head_rows(heads, d))
+    layer.num_heads, layer.num_kv_heads = heads.stop - heads.start, kv.stop - kv.start
+    layer.attn.num_heads, layer.attn.num_kv_heads = layer.num_heads, layer.num_kv_heads
+
+
+def split_separate_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
+    """gate_proj and up_proj as two matrices (RecurrentGemma's MLP) column-parallel, down_proj row-parallel."""
+    share = rank_share(mlp.down_proj.in_features, group, "intermediate_size")
+    column_parallel(mlp.gate_proj, [share])
+    column_parallel(mlp.up_proj, [share])
+    mlp.down_proj = row_parallel(mlp.down_proj, group, share)
+
+
 def _register_model_classes() -> None:
     from stateserve.layers.moe import GatedMLPExpert
     from stateserve.models.bamba import BambaMLP  # same layout: gate_up_proj [gate; up], down_proj
     from stateserve.models.lfm2 import LfmAttention
     from stateserve.models.olmo_hybrid import OlmoHybridAttention
+    from stateserve.models.recurrent_gemma import GemmaMLP, LocalAttention
     from stateserve.models.qwen3_next import Qwen3NextAttention
 
     split_rule(GatedMLP, BambaMLP, GatedMLPExpert)(split_gated_mlp)
@@ -75,6 +99,8 @@ def _register_model_classes() -> None:
     split_rule(DecoderAttention, QKVAttention, Qwen3NextAttention)(split_qkv_attention)
     split_rule(LfmAttention)(split_lfm_attention)
     split_rule(OlmoHybridAttention)(split_olmo_hybrid_attention)
+    split_rule(LocalAttention)(split_separate_qkv_attention)
+    split_rule(GemmaMLP)(split_separate_gated_mlp)
 
 
 _register_model_classes()

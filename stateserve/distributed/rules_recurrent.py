@@ -16,6 +16,8 @@ split, hold only those. The input projection is column-parallel part by part, th
   (Qwen3-Next's rows grouped per key head, or flat). Its gated norm is per head: local.
 - ShortConv (LFM2 / LFM3): channels; in_proj's [B | C | u] parts column-parallel, the conv per channel, out_proj
   row-parallel.
+- RGLRUBlock (RecurrentGemma): heads (the gates' diagonal blocks) with their channels: linear_x / linear_y rows,
+  conv channels, recurrent_param, the gates' blocks; linear_out row-parallel (its bias once).
 - LightningAttention (MiniMax): heads, with their [q | k | v] rows, output-gate rows and decay slopes; the RMSNorm
   over all heads' outputs sums its squares over the ranks (`SplitRMSNorm`, one all-reduce of [tokens] floats).
 The fused C++ decode paths of these layers take their projections through decode_projections(), which refuses a
@@ -33,6 +35,7 @@ from stateserve.distributed.sharding import (SplitRMSNorm, TensorParallelError, 
 from stateserve.layers.delta_rule import GatedDeltaNet
 from stateserve.layers.lightning import LightningAttention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
+from stateserve.layers.rg_lru import RGLRUBlock
 from stateserve.layers.selective_scan import MambaMixer
 from stateserve.layers.short_conv import ShortConv
 from stateserve.layers.zamba_mamba import ZambaMambaMixer
@@ -228,3 +231,18 @@ def split_lightning(layer: LightningAttention, group: ParallelGroup) -> None:
     layer.norm = SplitRMSNorm(layer.norm.weight.data[head_rows(heads, d)], total, layer.norm.eps, group)
     layer.out_proj = row_parallel(layer.out_proj, group, head_rows(heads, d))
     layer.keep_heads(heads.start, heads.stop - heads.start)
+
+
+@split_rule(RGLRUBlock)
+def split_rg_lru(block: RGLRUBlock, group: ParallelGroup) -> None:
+    heads = rank_share(block.num_heads, group, "RecurrentGemma num_attention_heads")
+    channels, width = head_rows(heads, block.block_width), block.width
+    column_parallel(block.linear_x, [channels])
+    column_parallel(block.linear_y, [channels])
+    conv_channels(block.conv1d, [width], [channels])
+    set_param(block, "recurrent_param", block.recurrent_param.data[channels])
+    for name in ("input_gate_weight", "input_gate_bias", "recurrent_gate_weight", "recurrent_gate_bias"):
+        set_param(block, name, getattr(block, name).data[heads])
+    block.linear_out = row_parallel(block.linear_out, group, channels)
+    block.num_heads = heads.stop - heads.start
+    block.width = block.num_heads * block.block_width
