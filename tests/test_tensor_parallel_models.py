@@ -24,6 +24,7 @@ from test_nemotron_h import _build as nemotron_h
 from test_olmo_hybrid import _build as olmo_hybrid
 from test_qwen3_next import _build as qwen3_next
 from test_recurrent_gemma import _build as recurrent_gemma
+from test_xlstm import _build as xlstm
 from state_checks import check_speculative_rollback_exact
 from utils import assert_greedy_matches, engine_teacher_forced_logits, hf_greedy
 
@@ -86,7 +87,8 @@ PARITY = {
     # q/k norms over all heads span the ranks; with one KV head it is replicated on both (its squares count once)
     "olmo_hybrid": (olmo_hybrid, {}, 1e-4),
     "olmo_hybrid_kv1": (olmo_hybrid, {"num_key_value_heads": 1}, 1e-4),
-    "recurrent_gemma": (recurrent_gemma, {}, 1e-4),  # the RG-LRU's heads (its gates' blocks); local attention whole
+    "recurrent_gemma": (recurrent_gemma, {}, 1e-4),  # the RG-LRU's heads (its gates' blocks), local attention, MLP
+    "xlstm": (xlstm, {}, 1e-4),  # mLSTM heads (their gates, per-head norms, matrix states), the feed-forward
     # NemotronH with every bias on (kept once on the split products) and its MoE with latent experts
     "nemotron_h": (nemotron_h, {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "use_bias": True,
                                 "mlp_bias": True, "moe_latent_size": 16}, 1e-4),

@@ -18,6 +18,9 @@ split, hold only those. The input projection is column-parallel part by part, th
   row-parallel.
 - RGLRUBlock (RecurrentGemma): heads (the gates' diagonal blocks) with their channels: linear_x / linear_y rows,
   conv channels, recurrent_param, the gates' blocks; linear_out row-parallel (its bias once).
+- xLSTM's MLSTMLayer: heads, with their q / k / v / output-gate rows, input and forget gate rows, the per-head
+  layer norm's weights and the cell's state; out_proj row-parallel. Its feed-forward: gate and up rows, down
+  row-parallel.
 - LightningAttention (MiniMax): heads, with their [q | k | v] rows, output-gate rows and decay slopes; the RMSNorm
   over all heads' outputs sums its squares over the ranks (`SplitRMSNorm`, one all-reduce of [tokens] floats).
 The fused C++ decode paths of these layers take their projections through decode_projections(), which refuses a
@@ -246,3 +249,34 @@ def split_rg_lru(block: RGLRUBlock, group: ParallelGroup) -> None:
     block.linear_out = row_parallel(block.linear_out, group, channels)
     block.num_heads = heads.stop - heads.start
     block.width = block.num_heads * block.block_width
+
+
+def split_mlstm_layer(layer: nn.Module, group: ParallelGroup) -> None:
+    heads = rank_share(layer.num_heads, group, "xLSTM num_heads")
+    cell, norm = layer.cell, layer.multihead_norm
+    qk_rows, v_rows = head_rows(heads, cell.dqk), head_rows(heads, cell.dv)
+    for proj, rows in ((layer.q, qk_rows), (layer.k, qk_rows), (layer.v, v_rows), (layer.ogate_preact, v_rows),
+                       (layer.igate_preact, heads), (layer.fgate_preact, heads)):
+        column_parallel(proj, [rows])
+    set_param(norm, "weight", norm.weight.data[v_rows])  # a layer norm per head: local
+    if norm.bias is not None:
+        set_param(norm, "bias", norm.bias.data[v_rows])
+    layer.out_proj = row_parallel(layer.out_proj, group, v_rows)
+    layer.num_heads = cell.num_heads = heads.stop - heads.start
+
+
+def split_xlstm_feed_forward(ffn: nn.Module, group: ParallelGroup) -> None:
+    share = rank_share(ffn.proj_down.in_features, group, "xLSTM feed-forward width")
+    column_parallel(ffn.proj_up_gate, [share])
+    column_parallel(ffn.proj_up, [share])
+    ffn.proj_down = row_parallel(ffn.proj_down, group, share)
+
+
+def _register_xlstm() -> None:
+    from stateserve.models.xlstm import MLSTMLayer, XFeedForward
+
+    split_rule(MLSTMLayer)(split_mlstm_layer)
+    split_rule(XFeedForward)(split_xlstm_feed_forward)
+
+
+_register_xlstm()
