@@ -78,12 +78,15 @@ def split_separate_qkv_attention(layer: nn.Module, group: ParallelGroup) -> None
     layer.attn.num_heads, layer.attn.num_kv_heads = layer.num_heads, layer.num_kv_heads
 
 
-def split_separate_gated_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
-    """gate_proj and up_proj as two matrices (RecurrentGemma's MLP) column-parallel, down_proj row-parallel."""
-    share = rank_share(mlp.down_proj.in_features, group, "intermediate_size")
-    column_parallel(mlp.gate_proj, [share])
-    column_parallel(mlp.up_proj, [share])
-    mlp.down_proj = row_parallel(mlp.down_proj, group, share)
+def split_separate_gated_mlp(mlp: nn.Module, group: ParallelGroup,
+                             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """The gate and up projections as two matrices (RecurrentGemma's MLP, xLSTM's feed-forward: `names` are the
+    gate, up and down projections' attributes) column-parallel, the down projection row-parallel."""
+    gate, up, down = (getattr(mlp, name) for name in names)
+    share = rank_share(down.in_features, group, "intermediate_size")
+    column_parallel(gate, [share])
+    column_parallel(up, [share])
+    setattr(mlp, names[2], row_parallel(down, group, share))
 
 
 def _register_model_classes() -> None:

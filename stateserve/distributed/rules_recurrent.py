@@ -265,18 +265,13 @@ def split_mlstm_layer(layer: nn.Module, group: ParallelGroup) -> None:
     layer.num_heads = cell.num_heads = heads.stop - heads.start
 
 
-def split_xlstm_feed_forward(ffn: nn.Module, group: ParallelGroup) -> None:
-    share = rank_share(ffn.proj_down.in_features, group, "xLSTM feed-forward width")
-    column_parallel(ffn.proj_up_gate, [share])
-    column_parallel(ffn.proj_up, [share])
-    ffn.proj_down = row_parallel(ffn.proj_down, group, share)
-
-
 def _register_xlstm() -> None:
+    from stateserve.distributed.rules_attention import split_separate_gated_mlp
     from stateserve.models.xlstm import MLSTMLayer, XFeedForward
 
     split_rule(MLSTMLayer)(split_mlstm_layer)
-    split_rule(XFeedForward)(split_xlstm_feed_forward)
+    split_rule(XFeedForward)(lambda ffn, group: split_separate_gated_mlp(ffn, group,
+                                                                         ("proj_up_gate", "proj_up", "proj_down")))
 
 
 _register_xlstm()
