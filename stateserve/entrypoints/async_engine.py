@@ -177,8 +177,12 @@ class AsyncEngine:
                     break
                 if engine.has_unfinished():
                     finished = engine.step()
+                    # the snapshot (the /metrics gauges, the data-parallel router's load) before the outputs go
+                    # out: a client that got its last token and reads /metrics must not still see its request
+                    self.snapshot = self._take_snapshot()
                     self._publish(list(dict.fromkeys(engine.last_updated + finished)))
-                self.snapshot = self._take_snapshot()
+                else:
+                    self.snapshot = self._take_snapshot()
         except BaseException as e:  # a step raised: fail everyone clearly rather than hang
             logger.exception("the engine thread stopped on an error")
             self.error = e
