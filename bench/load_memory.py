@@ -18,19 +18,17 @@ from common import cpu_name, model_folder  # noqa: E402
 
 CHILD = """
 import json, sys, time
-def gib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2**20
 import stateserve
 from stateserve import LLM
-before = gib("VmRSS")
+from stateserve.platform.peak_rss import peak_rss_bytes, rss_bytes
+before = rss_bytes()
 start = time.perf_counter()
 llm = LLM(sys.argv[1], dtype=sys.argv[2], skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 27,
           enable_prefix_caching=False)
-print(json.dumps({"source": stateserve.__file__, "load_s": time.perf_counter() - start, "peak_gib": gib("VmHWM") - before,
-                  "after_gib": gib("VmRSS") - before, "model_gib": llm.llm_engine.runner.model_bytes / 2**30}))
+print(json.dumps({"source": stateserve.__file__, "load_s": time.perf_counter() - start,
+                  "peak_gib": (peak_rss_bytes() - before) / 2**30, "after_gib": (rss_bytes() - before) / 2**30,
+                  "model_gib": llm.llm_engine.runner.model_bytes / 2**30}))
 """
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,8 +47,9 @@ def main() -> None:
                 print(f"{kind}-{args.size}: failed\n{out.stderr[-2000:]}")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{kind}-{args.size} ({os.path.dirname(os.path.dirname(r['source']))}): load {r['load_s']:.1f} s; resident peak {r['peak_gib']:.2f} GiB above the "
-                  f"start, {r['after_gib']:.2f} GiB after; weights {r['model_gib']:.2f} GiB", flush=True)
+            code = os.path.dirname(os.path.dirname(r["source"]))
+            print(f"{kind}-{args.size} ({code}): load {r['load_s']:.1f} s; resident peak {r['peak_gib']:.2f} GiB "
+                  f"above the start, {r['after_gib']:.2f} GiB after; weights {r['model_gib']:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

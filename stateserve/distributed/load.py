@@ -24,6 +24,7 @@ from stateserve.distributed.group import ParallelGroup
 from stateserve.distributed.sharding import rule_owners, split_model, split_module
 from stateserve.models.loader import SafetensorsReader, WeightLoader
 from stateserve.platform import host_allocator
+from stateserve.platform.peak_rss import peak_rss_bytes, rss_bytes
 
 logger = logging.getLogger("stateserve")
 GiB = 1 << 30
@@ -40,15 +41,6 @@ def _layer_module(name: str) -> str:
     m = _LAYER.search(name)
     assert m is not None
     return name[:m.end() - 1]
-
-
-def _resident_bytes(field: str) -> int:
-    """VmRSS (now) or VmHWM (the peak so far) of this process; 0 where /proc is absent."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return 0
 
 
 def load_and_split(model: nn.Module, path: str, dtype: torch.dtype, group: ParallelGroup, vocab_size: int,
@@ -93,7 +85,7 @@ class LoadPeak:
     whole model's size (`measure`) before it is split."""
 
     def __init__(self) -> None:
-        self.before = _resident_bytes("VmRSS")
+        self.before = rss_bytes()
         self.whole_model = 0
 
     def measure(self, model: nn.Module, dtype: torch.dtype) -> None:
@@ -103,4 +95,4 @@ class LoadPeak:
         host_allocator.release_free_memory()
         logger.info("%s %d/%d: %s; resident memory peaked %.2f GiB above the %.2f GiB before loading (the whole "
                     "model: %.2f GiB)", kind, group.rank, group.size, how,
-                    (_resident_bytes("VmHWM") - self.before) / GiB, self.before / GiB, self.whole_model / GiB)
+                    (peak_rss_bytes() - self.before) / GiB, self.before / GiB, self.whole_model / GiB)

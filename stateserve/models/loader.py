@@ -43,10 +43,10 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 class SafetensorsReader:
     """A folder's tensors by name, each read on demand with plain file reads (in file order by iterate_safetensors,
-    a layer at a time by distributed/load.py). Not mmap'ed: a mapping keeps every page read so far resident in this process for as long
-    as the file stays open, the whole checkpoint by the end; read() leaves them to the page cache, which the kernel
-    reclaims. The format: an 8-byte little-endian header length, a JSON header (dtype, shape, data offsets of each
-    tensor), the data."""
+    a layer at a time by distributed/load.py). Not mmap'ed: a mapping keeps every page read so far resident in this
+    process for as long as the file stays open, the whole checkpoint by the end; read() leaves them to the page
+    cache, which the kernel reclaims. The format: an 8-byte little-endian header length, a JSON header (dtype,
+    shape, data offsets of each tensor), the data."""
 
     def __init__(self, path: str) -> None:
         self.entries: dict[str, tuple[str, int, dict]] = {}
@@ -120,7 +120,7 @@ class WeightLoader:
         self.tied = set(model.tied_params)
         # what keeps a file's blocks: linears, and embeddings whose matrix no head shares
         self.kept_blocks = {f"{n}.weight" if n else "weight" for n, m in model.named_modules()
-                            if isinstance(m, nn.Linear) or isinstance(m, nn.Embedding)} - set(model.tied_params.values())
+                            if isinstance(m, (nn.Linear, nn.Embedding))} - set(model.tied_params.values())
         self.expected: set[tuple[str, int | None]] = set()
         for name, p in self.params.items():
             if name in self.tied or p.is_meta:  # meta: a layer of another pipeline stage, never loaded here

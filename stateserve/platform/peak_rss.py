@@ -12,6 +12,15 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """The process's resident memory at its highest so far (VmHWM: the kernel keeps it); 0 where /proc lacks it."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 class PeakRssSampler:
     """Samples the process's resident memory from a thread while a CPU forward runs; `growth` is the peak above
     the level before it. Short spikes between samples are missed, and memory the allocator already holds and
