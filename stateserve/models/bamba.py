@@ -18,7 +18,7 @@ from torch import nn
 
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta
-from stateserve.layers.moe import activation_fn, gated_activation
+from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
 from stateserve.layers.markers import stacked
@@ -78,7 +78,7 @@ class BambaMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, activation: str, bias: bool) -> None:
         super().__init__()
-        self.activation, self.act = activation, activation_fn(activation)
+        self.act = activation_fn(activation)
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         stacked(self.gate_up_proj.weight, [intermediate, intermediate])
         if bias:
@@ -86,7 +86,8 @@ class BambaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.activation, self.act, self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)
 
 
 class BambaDecoderLayer(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 from stateserve.layers.attention import Attention
 from stateserve.layers.mamba2_mixer import Mamba2Mixer
 from stateserve.layers.metadata import AttnMetadata, ForwardMeta, StateMetadata
-from stateserve.layers.moe import activation_fn, gated_activation
+from stateserve.layers.moe import activation_fn
 from stateserve.layers.norm import RMSNorm
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
 from stateserve.layers.markers import stacked
@@ -114,11 +114,11 @@ class Zamba2SharedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
         self.gate_up_proj_adapter_list = _adapter_list(num_depths, cfg.num_mem_blocks, block_id, cfg.hidden_size,
                                                        cfg.adapter_rank, 2 * inter)
-        self.activation, self.act = cfg.hidden_act, activation_fn(cfg.hidden_act)
+        self.act = activation_fn(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[depth](x)  # [T, 2I]
-        return self.down_proj(gated_activation(self.activation, self.act, gate_up))
+        gate, up = (self.gate_up_proj(x) + self.gate_up_proj_adapter_list[depth](x)).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Zamba2SharedBlock(nn.Module):
