@@ -210,8 +210,6 @@ class EngineConfig:
                 bad(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nodes:
             bad(f"node_rank must be in [0, nnodes={nodes}), got {self.node_rank!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            bad("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 yet")
         if tp % nodes:
             bad(f"the {tp} ranks (tensor_parallel_size x pipeline_parallel_size) must be a multiple of nnodes={nodes} "
                 "(each host runs as many ranks)")
@@ -219,9 +217,6 @@ class EngineConfig:
             bad("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, where the ranks meet)")
         if tp == 1:
             return
-        if self.quantization is not None:
-            bad("quantization with tensor_parallel_size or pipeline_parallel_size > 1 is not supported: the split "
-                "rules take float weights")
         if self.device.startswith("cuda"):
             bad("tensor_parallel_size and pipeline_parallel_size > 1 run on CPU (gloo) only so far; use "
                 "device='cpu'")

@@ -118,7 +118,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
-    ({"tensor_parallel_size": 2, "quantization": "int8"}, "quantization with tensor_parallel_size or pipeline"),
+    ({"tensor_parallel_size": 2, "device": "cuda"}, "run on CPU \\(gloo\\) only so far"),
     ({"tensor_parallel_size": 3, "nnodes": 2, "distributed_init_method": "tcp://127.0.0.1:1"}, "multiple of nnodes"),
     ({"tensor_parallel_size": 2, "nnodes": 2}, "nnodes > 1 needs distributed_init_method"),
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "distributed_init_method": "tcp://h:1"},

@@ -153,8 +153,10 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
                 _stop(self._procs)
                 raise
             super().__init__(config, model_config, device, group=group, max_threads=threads)
-            logger.info("%s parallelism: %d ranks (gloo over %s), %d thread(s) per rank on this host",
-                        "Pipeline" if config.pipeline_parallel_size > 1 else "Tensor", group.size,
+            tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+            kind = "Tensor x pipeline" if tp > 1 and pp > 1 else "Pipeline" if pp > 1 else "Tensor"
+            logger.info("%s parallelism: %d ranks%s (gloo over %s), %d thread(s) per rank on this host", kind,
+                        group.size, f" ({pp} stages of {tp} tensor-parallel ranks)" if tp > 1 and pp > 1 else "",
                         "loopback" if rdv.single_host else f"{rdv.host}:{rdv.port}", threads)
 
         def load_model(self, show_progress: bool = True) -> None:
@@ -162,11 +164,14 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             self._loaded = True
 
         def cache_budget_bytes(self) -> int:
-            """The ranks of this host share its memory: each plans with its part of the default budget."""
+            """The ranks of this host share its memory: each plans with its part of the default budget. A plan is
+            for every layer, and pipeline stages split it by layers: so the budget is shared only by the tensor-
+            parallel ranks of a stage (their heads' shares of each layer)."""
             budget = super().cache_budget_bytes()
-            if self.engine_config.kv_cache_memory_bytes is not None or self.engine_config.pipeline_parallel_size > 1:
-                return budget  # given per rank (as vLLM's is per device), or a plan the stages split by layers
-            return budget // len(local_ranks(self.engine_config))
+            if self.engine_config.kv_cache_memory_bytes is not None:
+                return budget  # given per rank (as vLLM's is per device)
+            sharing = len(local_ranks(self.engine_config)) // self.engine_config.pipeline_parallel_size
+            return budget // max(1, sharing)
 
         def initialize_caches(self, reserved_bytes: int = 0) -> Any:
             manager = super().initialize_caches(reserved_bytes)
@@ -182,7 +187,8 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             return self._guard(lambda: self._step(input_ids, positions, meta, journal), any_error=True)
 
         def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-            """With the vocabulary split, every rank computes its share of these rows' logits; rank 0 gathers."""
+            """With the vocabulary split, every rank of the first stage computes its share of these rows' logits
+            (later stages ignore the message); rank 0 gathers."""
             if not self.vocab_split:
                 return super().logits_of(hidden, rows)
             return self._guard(lambda: self._gathered_logits(hidden, rows), any_error=True)
@@ -190,7 +196,7 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
         def _gathered_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
             self.group.send_object(("logits", rows))
             local = super(TensorParallelRunner, self).logits_of(hidden, rows)  # [n, padded vocab / N]
-            return torch.cat(self.group.all_gather(local), dim=-1)[:, :self.model_config.vocab_size]
+            return torch.cat(self.tensor_group.all_gather(local), dim=-1)[:, :self.model_config.vocab_size]
 
         def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, journal: list) -> torch.Tensor:
             self.group.send_object(("step", journal, input_ids, positions, meta))

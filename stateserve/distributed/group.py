@@ -47,12 +47,19 @@ class Rendezvous:
         return cls(host.strip("[]"), int(port), world_size, single_host)
 
 
+def _gloo(store: Any, rank: int, size: int, device: Any) -> Any:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = IDLE_TIMEOUT
+    options._devices = [device]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class ParallelGroup:
     """This process's rank among `size` ranks, and the collectives they run together."""
 
-    def __init__(self, rank: int, size: int, store: Any = None, pg: Any = None) -> None:
+    def __init__(self, rank: int, size: int, store: Any = None, pg: Any = None, device: Any = None) -> None:
         self.rank, self.size = rank, size
-        self._store, self._pg = store, pg
+        self._store, self._pg, self._device = store, pg, device
         # time this rank spent in collectives (waiting on the others included), for benchmarks
         self.comm_seconds, self.num_collectives = 0.0, 0
 
@@ -63,13 +70,21 @@ class ParallelGroup:
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, rank == 0,
                                   connect_timeout, wait_for_workers=False)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = IDLE_TIMEOUT
         device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if rendezvous.single_host else \
             dist.ProcessGroupGloo.create_default_device()
-        options._devices = [device]
-        return cls(rank, rendezvous.world_size, store, dist.ProcessGroupGloo(store, rank, rendezvous.world_size,
-                                                                            options))
+        return cls(rank, rendezvous.world_size, store, _gloo(store, rank, rendezvous.world_size, device), device)
+
+    def subgroup(self, ranks: list[int], name: str) -> "ParallelGroup":
+        """The ranks `ranks` (this one among them) as a group of their own, ranked by their order there: a tensor-
+        parallel group within one pipeline stage. Only its members call this, each once; `name` tells the
+        subgroups apart in the store."""
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in the subgroup {ranks}")
+        if len(ranks) == 1:
+            return ParallelGroup(0, 1)
+        store = dist.PrefixStore(f"{name}/", self._store)
+        rank = ranks.index(self.rank)
+        return ParallelGroup(rank, len(ranks), store, _gloo(store, rank, len(ranks), self._device), self._device)
 
     @property
     def is_open(self) -> bool:

@@ -58,12 +58,16 @@ def load_and_split(model: nn.Module, path: str, dtype: torch.dtype, group: Paral
     for name in reader.names():
         names_at.setdefault(_layer_index(name), []).append(name)
     loader = WeightLoader(model)
+    # layers with no resident weight belong to other pipeline stages: their tensors are not read, their owners are
+    # split all the same (on the meta device), so the cache plan sees every layer's split shapes
+    resident = {_layer_index(name) for name, p in model.named_parameters() if not p.is_meta}
     split: list[str] = []
     for index in sorted(i for i in names_at if i is not None):
         owners = owners_at.get(index, [])
         for layer in dict.fromkeys(_layer_module(owner + ".") for owner in owners):
             model.get_submodule(layer).to(dtype=dtype)  # the layer's own _apply rules (float32 biases) hold
-        loader.load(reader.tensors(names_at[index]))
+        if index in resident:
+            loader.load(reader.tensors(names_at[index]))
         for owner in owners:
             if loader.missing(owner):
                 continue  # filled by tensors named otherwise: split with the rest

@@ -9,6 +9,11 @@ that index receives it and returns it in the layer's place; every other `RemoteL
 the head. A step thus makes one transfer per stage boundary plus one back to rank 0; stages run one after another
 (no micro-batches), so on one host the point is memory per process, not speed.
 
+With tensor parallelism as well, the ranks form a grid: stage s holds ranks s * T .. s * T + T - 1 (T =
+tensor_parallel_size), which split that stage's layers among them as one tensor-parallel group; activations pass
+between the ranks of the same tensor rank in consecutive stages (each holds the whole hidden rows), and after the
+last layer back to stage 0's rank of that tensor rank, whose group computes the (split) head's logits.
+
 A model takes part by naming its layer list and what one layer hands the next (ModelBase.pipeline_layers,
 pipeline_carry); a model whose forward does more between its layers (shared blocks, cross-layer inputs) names
 none and is refused."""
@@ -35,6 +40,29 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[int]:
     for stage in range(num_stages):
         bounds.append(bounds[-1] + base + (stage < extra))
     return bounds
+
+
+def stage_of(rank: int, tensor_size: int) -> int:
+    """The pipeline stage of a global rank (stages are consecutive runs of tensor_size ranks)."""
+    return rank // tensor_size
+
+
+def tensor_ranks(rank: int, tensor_size: int) -> list[int]:
+    """The global ranks of `rank`'s stage: its tensor-parallel group."""
+    first = stage_of(rank, tensor_size) * tensor_size
+    return list(range(first, first + tensor_size))
+
+
+def tensor_group_of(group: ParallelGroup | None, config: Any) -> ParallelGroup | None:
+    """The tensor-parallel group of this rank (every rank of `group` calls this once, together): its stage's ranks
+    as a group of their own with pipeline stages too, the whole group without, None without tensor parallelism."""
+    tensor_size = config.tensor_parallel_size
+    if group is None or tensor_size == 1:
+        return None
+    if tensor_size == group.size:
+        return group
+    ranks = tensor_ranks(group.rank, tensor_size)
+    return group.subgroup(ranks, f"tensor-stage-{stage_of(group.rank, tensor_size)}")
 
 
 def _send(group: ParallelGroup, value: Any, dst: int) -> None:
@@ -81,7 +109,7 @@ class RemoteLayer(nn.Module):
         return f"index={self.index}, owner=rank {self.owner}"
 
 
-def release_other_stages(model: nn.Module, group: ParallelGroup) -> tuple[int, int] | None:
+def release_other_stages(model: nn.Module, group: ParallelGroup, tensor_size: int = 1) -> tuple[int, int] | None:
     """Before loading: the layers other stages own move to the meta device (their weights, never initialised, are
     dropped without ever being resident), so the loader skips their tensors and this rank holds only its stage.
     Returns this stage's layers [first, end) (None: the model has no pipeline layer list; split_pipeline refuses
@@ -90,26 +118,31 @@ def release_other_stages(model: nn.Module, group: ParallelGroup) -> tuple[int, i
     if path is None:
         return None
     layers: nn.ModuleList = model.get_submodule(path)
-    bounds = stage_bounds(len(layers), group.size)
-    first, end = bounds[group.rank], bounds[group.rank + 1]
+    stage = stage_of(group.rank, tensor_size)
+    bounds = stage_bounds(len(layers), group.size // tensor_size)
+    first, end = bounds[stage], bounds[stage + 1]
     for i, layer in enumerate(layers):
         if not first <= i < end:
             layer.to(device="meta")
     return first, end
 
 
-def split_pipeline(model: nn.Module, group: ParallelGroup) -> None:
-    """Keep this rank's stage of the model's layers; the others become RemoteLayers."""
+def split_pipeline(model: nn.Module, group: ParallelGroup, tensor_size: int = 1) -> None:
+    """Keep this rank's stage of the model's layers; the others become RemoteLayers (group: all ranks; stages of
+    tensor_size ranks each)."""
     path, carry = model.pipeline_layers, model.pipeline_carry
     if path is None:
         raise TensorParallelError(f"{type(model).__name__} does not support pipeline parallelism (its forward is more "
                                   "than a plain loop over its layers); use tensor_parallel_size instead")
     layers: nn.ModuleList = model.get_submodule(path)
-    bounds = stage_bounds(len(layers), group.size)
-    owner = [stage for stage in range(group.size) for _ in range(bounds[stage], bounds[stage + 1])]
+    num_stages, tensor_rank = group.size // tensor_size, group.rank % tensor_size
+    bounds = stage_bounds(len(layers), num_stages)
+    # the rank of this tensor rank that runs each layer
+    owner = [stage * tensor_size + tensor_rank for stage in range(num_stages) for _ in range(bounds[stage],
+                                                                                            bounds[stage + 1])]
     me, last = group.rank, len(layers) - 1
     for i in range(len(layers)):
-        following = owner[i + 1] if i < last else 0  # the last layer's output goes to rank 0's head
+        following = owner[i + 1] if i < last else tensor_rank  # the last layer's output goes to stage 0's head
         if owner[i] == me:
             if following != me:
                 layers[i].register_forward_hook(lambda module, inputs, output, dst=following: _send(group, output, dst))

@@ -6,7 +6,8 @@ them all), builds cache storage to rank 0's plan (same block and slot ids, this 
 0's messages until told to stop:
     ("caches", plan)                      build and bind the storage
     ("step", journal, ids, positions, meta) replay rank 0's slot writes since the last step, run the forward
-    ("logits", rows)                      this rank's share of the logits of the last step's rows (rank 0 gathers)
+    ("logits", rows)                      this rank's share of the logits of the last step's rows (rank 0 gathers;
+                                          with pipeline stages, only the first stage's ranks take part)
     ("stop",)                             release everything and return
 Rank 0 decides every block, slot and snapshot; the journal (cache/storage.py) carries the state-slot writes it made
 outside a forward (a fresh slot zeroed, a snapshot restored or taken, ...), so every rank's slots hold the same
@@ -71,7 +72,8 @@ def serve(runner: Any, group: ParallelGroup) -> None:
                 runner.poll_threads()
                 hidden = runner.model(input_ids, positions, meta)
             elif kind == "logits":
-                group.all_gather(runner.logits_of(hidden, message[1]).contiguous())
+                if runner.tensor_group.rank == group.rank:  # the first stage's ranks (their head feeds rank 0)
+                    runner.tensor_group.all_gather(runner.logits_of(hidden, message[1]).contiguous())
             else:
                 raise RuntimeError(f"unknown message from rank 0: {kind!r}")
 

@@ -210,15 +210,13 @@ def init_dummy_weights(model: ModelBase, seed: int) -> None:
         p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
 
 
-def load_checkpoint(model: ModelBase, path: str, engine_config: Any, device: torch.device,
-                    show_progress: bool = True) -> tuple[Any, str]:
-    """Fills the model's weights from a Hugging Face folder, a GGUF file or seeded random values, then quantizes
-    its linears (engine_config.quantization; a GGUF file's quantized tensors in their own formats). Returns (the
-    quantization.QuantSummary or None, what the load log adds about the source)."""
+def read_checkpoint(model: ModelBase, path: str, engine_config: Any,
+                    show_progress: bool = True) -> tuple[dict[tuple[str, int | None], Any], str]:
+    """Fills the model's weights from a Hugging Face folder, a GGUF file or seeded random values. Returns a GGUF
+    file's quantized tensors kept in their own formats, by (parameter, shard), and what the load log adds about the
+    source."""
     from stateserve.models.gguf_file import GGUFCheckpoint, is_gguf
-    from stateserve.quantization import quantize_model
 
-    method = engine_config.quantization
     supplied: dict[tuple[str, int | None], Any] = {}
     source = ""
     if engine_config.load_format == "dummy":
@@ -229,7 +227,17 @@ def load_checkpoint(model: ModelBase, path: str, engine_config: Any, device: tor
         source = f"; read from GGUF (linears {gguf.linear_format()})"
     else:
         load_weights(model, iterate_safetensors(path, show_progress))
+    return supplied, source
+
+
+def quantize_loaded(model: ModelBase, engine_config: Any, device: torch.device,
+                    supplied: dict[tuple[str, int | None], Any]) -> Any:
+    """Quantizes the loaded model's linears (engine_config.quantization; a GGUF file's quantized tensors, `supplied`,
+    in their own formats). Returns the quantization.QuantSummary, or None for float weights."""
+    from stateserve.quantization import quantize_model
+
+    method = engine_config.quantization
     if method is None and not supplied:
-        return None, source
+        return None
     # a GGUF file's own formats are kept with int8 activations unless a method says otherwise
-    return quantize_model(model, method or "int8", device, file_formats=method is None, supplied=supplied), source
+    return quantize_model(model, method or "int8", device, file_formats=method is None, supplied=supplied)

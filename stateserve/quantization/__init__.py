@@ -141,7 +141,7 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
                 embeddings[embedding.fmt] += 1
                 size += embedding.weight_bytes
                 continue
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or child.weight.is_meta:  # meta: another pipeline stage's layer
                 continue
             parts = by_param.pop(pname, None)
             eligible = name not in _KEEP_NAMES and owners.get(child.weight.data_ptr(), 0) == 1
@@ -163,7 +163,8 @@ def quantize_model(model: nn.Module, method: str, device: torch.device, file_for
             size += layer.weight_bytes
     if method_fmt is not None:
         for module in model.modules():
-            if isinstance(module, ExpertMatrices) and module.expert_products is None:
+            if isinstance(module, ExpertMatrices) and module.expert_products is None and \
+                    not any(p.is_meta for p in module.parameters()):
                 quantized, nbytes = _quantize_experts(module, method_fmt, activations, kernels)
                 layers.update(quantized)
                 size += nbytes

@@ -22,7 +22,7 @@ from stateserve.config import EngineConfig, ModelConfig
 from stateserve.core.batch import InputBatch, SchedulerOutput, build_input_batch
 from stateserve.core.request import Request
 from stateserve.distributed.group import ParallelGroup
-from stateserve.distributed.pipeline import split_pipeline
+from stateserve.distributed.pipeline import split_pipeline, tensor_group_of
 from stateserve.layers.attention import Attention
 from stateserve.layers.metadata import ForwardMeta
 from stateserve.model_states.interface import PoolingSpec
@@ -60,10 +60,12 @@ class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model_config: ModelConfig, device: torch.device,
                  spare_slots_per_seq: int | None = None, group: ParallelGroup | None = None,
                  max_threads: int | None = None) -> None:
-        """group: this rank's tensor-parallel group (distributed/), whose ranks each hold a split of the model;
-        max_threads: this runner's own thread budget (a rank's share of the host) instead of the process's."""
+        """group: all ranks of this engine (distributed/), each holding a split of the model or a pipeline stage of
+        it; max_threads: this runner's own thread budget (a rank's share of the host) instead of the process's."""
         self.engine_config, self.model_config, self.device = engine_config, model_config, device
         self.group = group if group is not None and group.size > 1 else None
+        # the ranks this one splits its layers with: its pipeline stage's (the whole group without stages)
+        self.tensor_group = tensor_group_of(self.group, engine_config)
         self._plan_specs: tuple[dict, dict] | None = None  # pipeline stages: all layers' specs (cache_specs: own)
         self.vocab_split = False  # tensor parallelism: each rank holds its share of the head's logits
         spec = engine_config.speculative_config
@@ -88,7 +90,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             host_allocator.tune()
         before = self._allocated_bytes()
-        loaded = build_and_load(self.engine_config, self.model_config, self.device, self.group, show_progress)
+        loaded = build_and_load(self.engine_config, self.model_config, self.device, self.group, show_progress,
+                                self.tensor_group)
         model, quantized, source, self.vocab_split = loaded.model, loaded.quantized, loaded.source, loaded.vocab_split
         self.model = model.eval().requires_grad_(False)
         if self.device.type != "cpu" and self.engine_config.batch_invariant:
@@ -112,7 +115,8 @@ class ModelRunner:
         self.model_state = init_model_state(self.model, self.model_config, self.engine_config, self.device)
         if self.group is not None and self.engine_config.pipeline_parallel_size > 1:
             self._plan_specs = self.cache_specs()  # every stage's, for the plan all ranks share
-            split_pipeline(self.model, self.group)  # (which refuses a model without a layer list)
+            # (which refuses a model without a layer list)
+            split_pipeline(self.model, self.group, self.engine_config.tensor_parallel_size)
         self.poll_threads()
         self.profile_activations()
 
