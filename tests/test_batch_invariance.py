@@ -22,6 +22,7 @@ from stateserve.layers.linear import install_fast_linear, make_batch_invariant
 from stateserve.platform import cpu_kernels
 from test_bamba import _build as bamba
 from test_jamba import _build as jamba
+from test_kimi_linear import _build as kimi_linear
 from test_llama import _build as llama_or_qwen2
 from test_mamba2 import _build as mamba2
 from test_qwen3_next import _build as qwen3_next
@@ -34,6 +35,8 @@ ARCHS = {
     "bamba": lambda t: bamba(t, hidden_size=96, intermediate_size=200, mamba_n_heads=12),
     "jamba": lambda t: jamba(t, hidden_size=96, intermediate_size=200),  # Mamba1 + MoE
     "qwen3_next": lambda t: qwen3_next(t, hidden_size=96, intermediate_size=200),  # gated delta net + MoE
+    # KDA + MLA (its decode attention over the latent rows: each sequence alone) + MoE
+    "kimi_linear": lambda t: kimi_linear(t, hidden_size=96, intermediate_size=200),
 }
 ALONE = PROMPTS[:2]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +71,57 @@ def test_alone_batched_and_speculative_decoding_are_bit_identical(arch, tmp_path
             _assert_identical(run(llm, greedy(), [prompt])[0], out)  # verify steps of up to five rows
         stats = llm.llm_engine.stats
         assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+def test_latent_attention_decodes_each_sequence_over_its_own_rows(tmp_path):
+    """Multi-head latent attention (Kimi Linear) gathers a decode batch's rows padded to its longest sequence; the
+    softmax and the value sum then run over a longer, zero-padded row, whose vectorised sums group the real terms
+    differently (float32: a few bits apart). Batch-invariant, each sequence attends over exactly its own rows.
+    float32, where nothing rounds that away: alone == batched to the bit (checked to fail with the absorbed products
+    of the whole batch in one bmm; the padded path's effect is shown by the next test). Attention layers and dense MLPs only: in float32 a
+    MoE layer still adds its experts' outputs in another order for one token than for several, and a KDA layer is
+    not yet row-count-invariant either (bfloat16 rounds both away: the test above)."""
+    _, path = kimi_linear(tmp_path, mlp_layer_types=["dense"] * 4, layer_types=["full_attention"] * 4)
+    with LLM(path, skip_tokenizer_init=True, dtype="float32", max_num_batched_tokens=512,
+             enable_prefix_caching=False, batch_invariant=True) as llm:
+        batched = run(llm, greedy())
+        alone = [run(llm, greedy(), [p])[0] for p in PROMPTS]
+    for i, out in enumerate(alone):
+        _assert_identical(batched[i], out)
+
+
+@torch.no_grad()
+def test_latent_decode_attends_over_each_sequences_own_rows():
+    """LatentAttention's decode, batch-invariant: a sequence's output does not depend on the longest sequence of its
+    batch (the padded path's softmax and value sums group the same terms differently, float32 bits apart: shown
+    here to happen for some of these lengths, so the check can fail)."""
+    from types import SimpleNamespace
+
+    from stateserve.layers.latent_attention import LatentAttention
+
+    torch.manual_seed(0)
+    layer = LatentAttention(num_heads=4, latent_dim=24, value_dim=16, scale=0.3, dtype=torch.float32)
+    bs, blocks = 16, 40
+    layer.bind_cache(torch.randn(blocks, bs, 24), None)
+    padded_differs = False
+    for short, long in [(5, 300), (40, 48), (33, 140), (70, 250), (17, 31)]:
+        q = torch.randn(2, 4, 24)
+        tables = torch.stack([torch.arange(0, 20), torch.arange(20, 40)])
+
+        def decode(rows: list[int], invariant: bool) -> torch.Tensor:
+            lens = torch.tensor([short, long])[rows]
+            meta = SimpleNamespace(decode_rows=torch.arange(len(rows)), decode_seq_lens=lens,
+                                   decode_block_tables=tables[rows], decode_max_seq_len=int(lens.max()),
+                                   query_lens=[1] * len(rows), query_start_loc=list(range(len(rows) + 1)),
+                                   slot_mapping=None, is_decode_only=True, prefill_seqs=[])
+            layer.write_rows = lambda rows, slots: None  # the cache holds the rows already
+            layer.batch_invariant = invariant
+            return layer(q[rows], torch.empty(len(rows), 24), meta)
+
+        alone = decode([0], True)
+        assert torch.equal(decode([0, 1], True)[:1], alone)
+        padded_differs |= not torch.equal(decode([0, 1], False)[:1], alone)
+    assert padded_differs
 
 
 @pytest.mark.parametrize("method", ["int8", "q4_0_weight_only"])

@@ -24,6 +24,9 @@ class LatentAttention(Attention):
     def __init__(self, num_heads: int, latent_dim: int, value_dim: int, scale: float, dtype: torch.dtype) -> None:
         super().__init__(num_heads, 1, latent_dim, scale, dtype)
         self.latent_dim, self.value_dim = latent_dim, value_dim
+        # batch_invariant (layers/linear.make_batch_invariant): each decoding sequence attends over exactly its own
+        # rows, one product per sequence, so its sums do not depend on the batch's longest sequence
+        self.batch_invariant = False
 
     def cache_spec(self) -> LatentKVCacheSpec:
         return LatentKVCacheSpec(self.latent_dim, self.dtype)
@@ -58,6 +61,14 @@ class LatentAttention(Attention):
         scores.masked_fill_(~visible[:, None, :], float("-inf"))
         return torch.bmm(scores.softmax(dim=-1), rows[..., :self.value_dim]).to(q.dtype)
 
+    def _decode_one_by_one(self, q: torch.Tensor, out: torch.Tensor, meta: AttnMetadata) -> None:
+        """The decoding rows, each over its own sequence's rows only (no padding to the batch's longest)."""
+        bs = self.block_size
+        for j, (row, length) in enumerate(zip(meta.decode_rows.tolist(), meta.decode_seq_lens.tolist())):
+            cached = self.cached_rows(meta.decode_block_tables[j, :-(-length // bs)], length)[None]  # [1, L, D]
+            visible = torch.ones(1, length, dtype=torch.bool, device=q.device)
+            out[row] = self._attend_decode(q[row:row + 1], cached, visible)[0]
+
     def forward(self, q: torch.Tensor, rows: torch.Tensor,  # type: ignore[override]
                 meta: AttnMetadata) -> torch.Tensor:
         # q: [T, H, latent_dim] (absorbed queries); rows: [T, latent_dim] -> [T, H, value_dim]
@@ -72,7 +83,9 @@ class LatentAttention(Attention):
             return out
         self.write_rows(rows, meta.slot_mapping)
         bs = self.block_size
-        if meta.decode_rows is not None and meta.decode_rows.numel():
+        if meta.decode_rows is not None and meta.decode_rows.numel() and self.batch_invariant:
+            self._decode_one_by_one(q, out, meta)
+        elif meta.decode_rows is not None and meta.decode_rows.numel():
             num_blocks = -(-meta.decode_max_seq_len // bs)
             cached = self.cached_rows(meta.decode_block_tables[:, :num_blocks], num_blocks * bs)  # [Sd, nb*bs, D]
             mask = (torch.arange(cached.shape[1], device=q.device)[None, :] < meta.decode_seq_lens[:, None])

@@ -167,6 +167,8 @@ def make_batch_invariant(model: nn.Module, why: str) -> list[str]:
 
     stray = []
     for name, m in model.named_modules():
+        if hasattr(m, "batch_invariant"):  # an attention that pads its batch (latent_attention.py): one by one
+            m.batch_invariant = True
         if isinstance(m, ExpertMatrices) and m.expert_matrices():  # not all of them quantized
             if m.few_row_product is not None:
                 m.few_row_rows = 1 << 62

@@ -119,11 +119,21 @@ class KimiMLA(nn.Module):
         w_k, w_v = self.absorbed_weights()  # float32 [H, nope, rank], [H, rank, v]
         # q_nope . (W_k c) == (q_nope W_k) . c; float32 products of the (exact) upcast operands rounded once, as a
         # bfloat16 matmul rounds (PyTorch's bfloat16 bmm of these shapes took ~100 us a decode call)
-        q_latent = torch.bmm(q_nope.transpose(0, 1).float(), w_k).transpose(0, 1).to(x.dtype)  # [T, H, rank]
+        q_latent = self._per_head(q_nope, w_k, meta).to(x.dtype)  # [T, H, rank]
         out = self.attn(torch.cat([q_latent, q_rope], dim=-1), rows, meta)  # [T, H, rank]
-        out = torch.bmm(out.transpose(0, 1).float(), w_v).transpose(0, 1).to(x.dtype)  # [T, H, v]
+        out = self._per_head(out, w_v, meta).to(x.dtype)  # [T, H, v]
         out = self.gate_heads(x, out)
         return self.o_proj(out.reshape(T, H * self.v_dim))
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """x [T, H, a] times each head's w [H, a, b] -> float32 [T, H, b]. A bmm's sums depend on its row count, so
+        batch-invariant each sequence's rows are multiplied alone (as many rows whatever the batch holds)."""
+        if not self.attn.batch_invariant or len(meta.query_lens) < 2:
+            return torch.bmm(x.transpose(0, 1).float(), w).transpose(0, 1)
+        out = x.new_empty(x.shape[0], x.shape[1], w.shape[-1], dtype=torch.float32)
+        for start, n in zip(meta.query_start_loc[:-1], meta.query_lens):
+            out[start:start + n] = torch.bmm(x[start:start + n].transpose(0, 1).float(), w).transpose(0, 1)
+        return out
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key half [H, nope, rank] and transposed value half [H, rank, v], float32 and contiguous for
