@@ -289,6 +289,23 @@ def test_an_engine_failing_before_rank_0_loads_stops_its_workers(llama, monkeypa
     assert runners and not any(proc.is_alive() for _, proc in runners[0]._procs)
 
 
+def test_a_script_without_a_main_guard_fails_at_once_naming_the_cause(llama, tmp_path):
+    """A script that builds a tensor-parallel LLM at its top level: each spawned rank imports it again and dies
+    starting ranks of its own. Rank 0 sees the rank exit before it joined, stops at once and says what to do
+    (it used to wait out the group's 300 s join timeout)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from stateserve import LLM\n"
+                      f"LLM({llama[1]!r}, tensor_parallel_size=2, skip_tokenizer_init=True, "
+                      "kv_cache_memory_bytes=1 << 24)\n")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=REPO,
+                         env={**os.environ, "STATESERVE_DISABLE_TQDM": "1"})
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log
+    assert "rank 1 exited (code 1) before it joined the group" in log and 'if __name__ == "__main__":' in log, log
+    assert time.monotonic() - start < 120, log
+
+
 def test_each_rank_loads_its_share_without_holding_the_whole_model(tmp_path, tokenizer_dir):
     """`stateserve generate --tensor-parallel-size 2` on a 12-layer bfloat16 checkpoint: every rank reads the
     checkpoint a layer at a time and splits each layer as it is read (distributed/load.py), so its resident memory

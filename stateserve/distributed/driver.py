@@ -107,6 +107,25 @@ def _spawn_workers(config: Any, model_config: Any, rdv: Rendezvous, ranks: range
     return threads, procs
 
 
+def _await_workers(store: Any, procs: list[tuple[int, Any]], timeout_s: float = 300.0) -> None:
+    """Rank 0, before joining the group: wait until every worker this host started has reached the store, and fail
+    at once, naming it, when one exits first (joining the group would wait out its whole timeout for it)."""
+    from stateserve.distributed.group import joined_key
+
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(procs)
+    while waiting and time.monotonic() < deadline:  # past the deadline the group's own join reports the timeout
+        for rank, proc in list(waiting.items()):
+            if store.check([joined_key(rank)]):
+                del waiting[rank]
+            elif not proc.is_alive():
+                raise RankFailedError(
+                    f"rank {rank} exited (code {proc.exitcode}) before it joined the group; its error is above. A "
+                    "script that starts tensor- or pipeline-parallel ranks must guard its top level with `if __name__ "
+                    "== \"__main__\":`: each rank is a spawned process, which imports the script again")
+        time.sleep(0.05)
+
+
 def _stop(procs: list[tuple[int, Any]]) -> None:
     deadline = time.monotonic() + _JOIN_TIMEOUT_S
     for _, proc in procs:
@@ -148,6 +167,8 @@ def make_runner(config: Any, model_config: Any, device: torch.device) -> Any:
             self._failure: str | None = None
             self._loaded = False  # the workers reach their message loop only past load_model's collectives
             try:
+                if store is not None:
+                    _await_workers(store, self._procs)
                 group = ParallelGroup.connect(rdv, 0, store)
             except BaseException:
                 _stop(self._procs)

@@ -47,6 +47,11 @@ class Rendezvous:
         return cls(host.strip("[]"), int(port), world_size, single_host)
 
 
+def joined_key(rank: int) -> str:
+    """The store key a worker sets once it has reached the store."""
+    return f"joined/{rank}"
+
+
 def _gloo(store: Any, rank: int, size: int, device: Any) -> Any:
     options = dist.ProcessGroupGloo._Options()
     options._timeout = IDLE_TIMEOUT
@@ -70,6 +75,7 @@ class ParallelGroup:
         if store is None:
             store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, rank == 0,
                                   connect_timeout, wait_for_workers=False)
+            store.set(joined_key(rank), "1")  # rank 0 waits for this while its workers start (driver.py)
         device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if rendezvous.single_host else \
             dist.ProcessGroupGloo.create_default_device()
         return cls(rank, rendezvous.world_size, store, _gloo(store, rank, rendezvous.world_size, device), device)
