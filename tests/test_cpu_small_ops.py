@@ -56,6 +56,33 @@ def test_rms_norm_matches_pytorch(dtype, no_kernels):
     _close(got, ref, 1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rms_norm_kernel_rounds_once_after_the_float32_weight(dtype, no_kernels):
+    """Qwen3-Next's / Qwen3.5's (1 + w) RMSNorm through the row kernels (rms_norm_f32_weight for bfloat16 rows: the
+    product by the float32 weight before the one rounding), on 2-D rows and per-head 3-D ones (q/k norms), against
+    its PyTorch formula. Bound: the kernel's sum of squares in another order moves the inverse root by a few float32
+    steps, so float32 within 1e-6 relative; bfloat16 equal but for outputs within a float32 step of a rounding
+    boundary (at most one bfloat16 step apart, and rare). Checked to fail with the weight rounded to bfloat16."""
+    from stateserve.models.qwen3_next import OffsetRMSNorm
+
+    g = torch.Generator().manual_seed(21)
+    norm = OffsetRMSNorm(40, eps=1e-6).to(dtype)  # 40: two vectors and a scalar tail
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=g) * 0.3)
+    for x in (torch.randn(6, 40, generator=g).to(dtype), torch.randn(3, 4, 40, generator=g).to(dtype)):
+        no_kernels(False)
+        ref = norm(x)
+        no_kernels(True)
+        got = norm(x)
+        assert got.dtype == dtype and got.shape == x.shape
+        if dtype == torch.float32:
+            _close(got, ref, 1e-6)
+        else:
+            step = ref.float().abs() * 2.0 ** -7
+            assert ((got.float() - ref.float()).abs() <= step).all()
+            assert (got == ref).float().mean() > 0.97
+
+
 @pytest.mark.parametrize("stream_dtype,model_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                       (torch.float32, torch.bfloat16)])  # last: residual_in_fp32
 def test_residual_add_and_norm_kernel_equals_the_two_ops(stream_dtype, model_dtype, no_kernels):

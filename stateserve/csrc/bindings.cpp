@@ -40,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("delta_rule_decode_", &delta_rule_decode_, "one delta-rule decode step (gated delta net, KDA) on the "
         "float32 states at slots, in place; returns q^T S", nogil);
+  m.def("gated_delta_decode_", &gated_delta_decode_, "the gated delta net's decode step after its conv: q, k, v, "
+        "decay and beta from the conv output and b / a, then the delta rule on the states at slots", nogil);
   m.def("conv1d_update_", &conv1d_update_, "causal depthwise conv of one new token, conv state shifted in place",
         py::arg("conv_state"), py::arg("slots"), py::arg("x"), py::arg("taps"), py::arg("bias"),
         py::arg("float_accumulate"), py::arg("silu_float32") = false, nogil);
@@ -50,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, rounded as transformers", nogil);
+  m.def("rms_norm_f32_weight", &rms_norm_f32_weight, "RMSNorm of bfloat16 rows by a float32 weight, multiplied "
+        "in float32 and rounded once", nogil);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place, then RMSNorm of the sum in the weight's dtype", nogil);
   m.def("selective_scan_fwd", &selective_scan_fwd, "Mamba1 prefill scan of one sequence (sequential, O(L*D) memory)", nogil);
   m.def("ssd_scan_fwd", &ssd_scan_fwd, "Mamba2 prefill recurrence of one sequence (sequential, O(L*H*P) memory)", nogil);

@@ -8,8 +8,10 @@
 // k^T S, the rank-one update, q^T S, the scatter back) in ~10 operator calls per layer; here two passes over S
 // (decay and k^T S; the update and q^T S), one call per layer, each head's state hot in L1 between the passes.
 #include <ATen/core/Tensor.h>  // (not torch/extension.h: its headers cost each source ~10x the compile time)
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <cmath>
 #include <vector>
 #include "kernels.h"
 #include "simd.h"
@@ -103,6 +105,88 @@ at::Tensor delta_rule_decode_(at::Tensor state, at::Tensor slots, at::Tensor q, 
       update_head(st + (slot[s] * H + h) * Dk * Dv, Dk, Dv, qp + sh * Dk, kp + sh * Dk, vp + sh * Dv,
                   per_channel ? dp + sh * Dk : dp + sh, per_channel ? 1 : 0, bp[sh], op + sh * Dv, work.data());
     }
+  });
+  return out;
+}
+
+// The gated delta net's whole decode step after its conv (Qwen3.5 / Qwen3-Next / OLMo Hybrid): the ~25 PyTorch
+// calls that make q, k, v, the decay and beta from the conv's output and the b / a projections, then the update
+// above, in one call. Per sequence s and value head h (key head h / group):
+//   q = l2norm(qkv[s, q part of key head]) * Dk^-0.5,  k = l2norm(qkv[s, k part]),  v = qkv[s, v part of head h]
+//   beta = sigmoid(b[s, h]), rounded to b's dtype as torch.sigmoid does, times beta_scale
+//   decay = exp(neg_exp_A[h] * softplus(a[s, h] + dt_bias[h]))   (softplus: x past 20 is x, as PyTorch's)
+// l2norm(x) = x * (1 / sqrt(sum x^2 + 1e-6)), all in float32: PyTorch's formula, its sums in another order.
+namespace {
+
+template <typename T>
+inline float rounded_sigmoid(T b) {
+  const float s = 1.f / (1.f + std::exp(-static_cast<float>(b)));
+  return static_cast<float>(static_cast<T>(s));  // torch.sigmoid of a bfloat16 tensor rounds its result
+}
+
+// dst = float32(src) * (1 / sqrt(sum src^2 + eps)) * scale (scale applied as a second rounding, as q's is).
+template <typename T>
+inline void l2norm_row(const T* src, int64_t n, float scale, bool scaled, float* dst) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+    sum += dst[i] * dst[i];
+  }
+  const float inv = 1.f / std::sqrt(sum + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) dst[i] = scaled ? (dst[i] * inv) * scale : dst[i] * inv;
+}
+
+}  // namespace
+
+// state: [num_slots, Hv, Dk, Dv] float32 (contiguous), updated at `slots`; qkv: [S, 2 Hk Dk + Hv Dv] (the activated
+// conv output, contiguous); b, a: [S, Hv] (any strides); all three float32 or bfloat16 alike; neg_exp_A,
+// dt_bias: [Hv] float32. Returns out [S, Hv, Dv] float32.
+at::Tensor gated_delta_decode_(at::Tensor state, at::Tensor slots, at::Tensor qkv, at::Tensor b, at::Tensor a,
+                               at::Tensor neg_exp_A, at::Tensor dt_bias, int64_t num_k_heads, double beta_scale) {
+  TORCH_CHECK(state.dim() == 4 && state.scalar_type() == at::kFloat && state.is_contiguous(),
+              "gated_delta_decode_: state must be float32 [num_slots, Hv, Dk, Dv], contiguous");
+  const int64_t Hv = state.size(1), Dk = state.size(2), Dv = state.size(3), S = slots.numel();
+  const int64_t Hk = num_k_heads;
+  TORCH_CHECK(Hk > 0 && Hv % Hk == 0, "gated_delta_decode_: Hv=", Hv, " is not a multiple of Hk=", Hk);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "gated_delta_decode_: slots must be int64 [S]");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == S && qkv.size(1) == 2 * Hk * Dk + Hv * Dv && qkv.is_contiguous(),
+              "gated_delta_decode_: qkv must be [S, 2 Hk Dk + Hv Dv], contiguous");
+  for (const auto& [t, name] : {std::pair{b, "b"}, std::pair{a, "a"}})
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == S && t.size(1) == Hv && t.scalar_type() == qkv.scalar_type(),
+                "gated_delta_decode_: ", name, " must be [S, Hv] of qkv's dtype");
+  for (const auto& [t, name] : {std::pair{neg_exp_A, "neg_exp_A"}, std::pair{dt_bias, "dt_bias"}})
+    TORCH_CHECK(t.numel() == Hv && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "gated_delta_decode_: ", name, " must be float32 [Hv]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = state.size(0);
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "gated_delta_decode_: slot ", slot[s], " out of range");
+  auto out = at::empty({S, Hv, Dv}, qkv.options().dtype(at::kFloat));
+  float* st = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float *A = neg_exp_A.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
+  const int64_t group = Hv / Hk, width = qkv.size(1);
+  const int64_t b_row = b.stride(0), b_col = b.stride(1), a_row = a.stride(0), a_col = a.stride(1);
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(Dk)), bscale = static_cast<float>(beta_scale);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "gated_delta_decode_", [&] {
+    const scalar_t *x = qkv.data_ptr<scalar_t>(), *bp = b.data_ptr<scalar_t>(), *ap = a.data_ptr<scalar_t>();
+    at::parallel_for(0, S * Hv, stateserve_simd::rows_grain(4 * Dk * Dv, 1), [&](int64_t begin, int64_t end) {
+      std::vector<float> work(Dv + 2 * Dk + Dv);
+      float *q = work.data() + Dv, *k = q + Dk, *v = k + Dk;
+      for (int64_t sh = begin; sh < end; ++sh) {
+        const int64_t s = sh / Hv, h = sh % Hv, kh = h / group;
+        const scalar_t* row = x + s * width;
+        l2norm_row(row + kh * Dk, Dk, q_scale, true, q);
+        l2norm_row(row + Hk * Dk + kh * Dk, Dk, 1.f, false, k);
+        for (int64_t j = 0; j < Dv; ++j) v[j] = static_cast<float>(row[2 * Hk * Dk + h * Dv + j]);
+        float beta = rounded_sigmoid(bp[s * b_row + h * b_col]);
+        if (bscale != 1.f) beta *= bscale;
+        const float z = static_cast<float>(ap[s * a_row + h * a_col]) + bias[h];
+        const float decay = std::exp(A[h] * (z > 20.f ? z : std::log1p(std::exp(z))));
+        update_head(st + (slot[s] * Hv + h) * Dk * Dv, Dk, Dv, q, k, v, &decay, 0, beta, op + sh * Dv,
+                    work.data());
+      }
+    });
   });
   return out;
 }

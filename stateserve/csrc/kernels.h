@@ -68,6 +68,7 @@ at::Tensor q6_k_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
 
 // ---- per-token ops (small_ops.cpp, gated_norm.cpp)
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor rms_norm_f32_weight(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor residual, at::Tensor x, at::Tensor weight, double eps);
 bool rotary_(at::Tensor q, at::Tensor k, at::Tensor table, at::Tensor positions, int64_t rotary_dim);
 at::Tensor silu_and_mul(at::Tensor x);
@@ -108,6 +109,8 @@ std::vector<at::Tensor> ssd_scan_fwd(at::Tensor x, at::Tensor dt, at::Tensor A, 
 // ---- delta rule (delta_rule_update.cpp): one decode step of the gated delta net / KDA on the states in place
 at::Tensor delta_rule_decode_(at::Tensor state, at::Tensor slots, at::Tensor q, at::Tensor k, at::Tensor v,
                               at::Tensor decay, at::Tensor beta);
+at::Tensor gated_delta_decode_(at::Tensor state, at::Tensor slots, at::Tensor qkv, at::Tensor b, at::Tensor a,
+                               at::Tensor neg_exp_A, at::Tensor dt_bias, int64_t num_k_heads, double beta_scale);
 // ---- whole layers' decode steps in one call (ssm_update.cpp, mamba1_update.cpp, decoder_layer.cpp)
 at::Tensor mamba2_mixer_decode_(at::Tensor x, at::Tensor conv_state, at::Tensor ssm_state,
                                    at::Tensor slots, at::Tensor in_weight, c10::optional<at::Tensor> in_bias,

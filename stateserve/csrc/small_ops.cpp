@@ -55,6 +55,24 @@ void rms_norm_row(const T* in, const T* w, T* out, int64_t H, float eps) {
   }
 }
 
+// One bfloat16 row of an RMSNorm whose weight is float32 and multiplies before the one rounding (models that keep
+// such a norm in float32, e.g. Qwen3-Next's / Qwen3.5's (1 + w)): out[h] = T(w[h] * (in[h] * r)).
+template <typename T>
+void rms_norm_row_f32_weight(const T* in, const float* w, T* out, int64_t H, float eps) {
+  const float r = 1.f / std::sqrt(sum_of_squares(in, H) / static_cast<float>(H) + eps);
+  int64_t h = 0;
+#if SS_HAS_SIMD
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    using namespace stateserve_simd;
+    using V = F32Vec;
+    const auto rv = V::set1(r);
+    for (; h + V::kWidth <= H; h += V::kWidth)
+      V::store_to(out + h, V::mul(V::load_from(w + h), V::mul(V::load_from(in + h), rv)));
+  }
+#endif
+  for (; h < H; ++h) out[h] = static_cast<T>(w[h] * (static_cast<float>(in[h]) * r));
+}
+
 // The vectorised prefix of one silu_and_mul row (float32 and bfloat16, AVX-512 or AVX2); returns how many elements
 // it did, the caller finishes the rest.
 template <typename T>
@@ -89,6 +107,25 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
     at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) rms_norm_row(xp + m * H, wp, op + m * H, H, static_cast<float>(eps));
     });
+  });
+  return out;
+}
+
+// RMSNorm of bfloat16 rows by a float32 weight, multiplied in float32 and rounded once (rms_norm_row_f32_weight).
+at::Tensor rms_norm_f32_weight(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat,
+              "rms_norm_f32_weight: x bfloat16 [M, H] and weight float32 [H]");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t M = x.size(0), H = x.size(1);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const float* wp = weight.data_ptr<float>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, M, rows_grain(H, 16), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      rms_norm_row_f32_weight(xp + m * H, wp, op + m * H, H, static_cast<float>(eps));
   });
   return out;
 }

@@ -18,6 +18,7 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
+from stateserve.layers.param_cache import derived
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
                                          mixed_step, zero_fresh_slots)
 from stateserve.platform import kernels
@@ -197,6 +198,10 @@ class GatedDeltaNet(StatefulLayer):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.num_v_heads, dv), b.reshape(T, -1), a.reshape(T, -1)
 
+    def _dt_bias_f32(self) -> torch.Tensor:
+        dt_bias = self.dt_bias
+        return derived(self, "dt_bias_f32", (dt_bias,), lambda: dt_bias.detach().float().contiguous())
+
     def _qkv_gates(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """conv_out [T, conv_dim] -> float32 q, k [T, Hv, Dk] (l2-normed, q scaled), v [T, Hv, Dv], g, beta [T, Hv]."""
         T = conv_out.shape[0]
@@ -252,8 +257,14 @@ class GatedDeltaNet(StatefulLayer):
         # float32 sums rounded once, as our prefill and transformers' conv1d do (bf16: products unrounded)
         y = causal_conv1d_decode(mixed, self.conv1d.weight.squeeze(1), None, conv_state, slots, float_accumulate=True,
                                  taps=self.conv_taps())
-        q, k, v, g, beta = self._qkv_gates(self.act(y).to(mixed.dtype), b, a)  # [S, Hv, ...]
-        core = delta_rule_step(ssm_state, slots, q, k, v, g.exp(), beta)  # decay per head
+        qkv = self.act(y).to(mixed.dtype)
+        fused = kernels.table(ssm_state.device).gated_delta_decode(qkv.dtype)
+        if fused is not None and ssm_state.is_contiguous():  # the gates and the update in one call
+            core = fused(ssm_state, slots, qkv.contiguous(), b, a, self.neg_exp_A(), self._dt_bias_f32(),
+                         self.num_k_heads, self.beta_scale)
+        else:
+            q, k, v, g, beta = self._qkv_gates(qkv, b, a)  # [S, Hv, ...]
+            core = delta_rule_step(ssm_state, slots, q, k, v, g.exp(), beta)  # decay per head
         for i, _off, dst in meta.checkpoints:  # a decode chunk is one token: the snapshot is the new state
             conv_state[dst] = conv_state[slots[i]]
             ssm_state[dst] = ssm_state[slots[i]]

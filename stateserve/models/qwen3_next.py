@@ -18,7 +18,9 @@ from stateserve.layers.metadata import AttnMetadata, ForwardMeta
 from stateserve.layers.moe import GatedMLPExpert, SparseMoE
 from stateserve.layers.rotary import RotaryEmbedding, rope_parameters
 from stateserve.layers.markers import stacked
+from stateserve.layers.param_cache import derived
 from stateserve.models.base import ModelBase
+from stateserve.platform import kernels
 from stateserve.layers.decoder_layer import rope_seq_lens
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -35,9 +37,21 @@ class OffsetRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim] -> [..., dim]
+        if x.is_contiguous():  # the C++ row kernels: one call instead of ~8 PyTorch ones
+            table = kernels.table(x.device)
+            kernel = table.rms_norm_f32_weight(x.dtype) if x.dtype != torch.float32 else \
+                table.rms_norm(torch.float32, torch.float32)
+            if kernel is not None:
+                return kernel(x.view(-1, x.shape[-1]), self.offset_weight(), self.eps).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def offset_weight(self) -> torch.Tensor:
+        """1 + weight in float32, made once per version of the weight."""
+        weight = self.weight
+        return derived(self, "offset", (weight,), lambda: (1.0 + weight.detach().float()).contiguous())
 
 
 def layer_types(cfg: Any) -> list[str]:

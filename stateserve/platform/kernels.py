@@ -96,6 +96,7 @@ class KernelTable:
     prefill_kernel: Op
     # per-token ops: (x, weight); (residual, x, weight); (x); (q, k); (y, gate); (dt)
     rms_norm: Op
+    rms_norm_f32_weight: Op  # (x): bfloat16 rows times a float32 weight before the rounding
     add_rms_norm: Op
     silu_and_mul: Op
     rotary: Op
@@ -107,6 +108,7 @@ class KernelTable:
     conv_prefill: Op
     conv_update: Op
     delta_rule_decode: Op  # (ssm state): the gated delta net's / KDA's decode step on float32 states
+    gated_delta_decode: Op  # (conv output): the gated delta net's gates and delta rule after its conv, one call
     ssd_update: Op
     mamba2_decode: Op
     ssd_scan: Op
@@ -211,6 +213,7 @@ def build(module: Any | None, *, onednn: bool = True) -> KernelTable:
         decode_attention=op("decode_attention", "paged_decode_attention", same(2, f32, bf16, f16, f64)),
         prefill_kernel=Op("prefill_attention", prefill),
         rms_norm=op("rms_norm", "rms_norm", same(2, *floats)),
+        rms_norm_f32_weight=op("rms_norm_f32_weight", "rms_norm_f32_weight", [bf16]),
         # float32 or bfloat16 streams, and a float32 stream of a bfloat16 model (residual_in_fp32)
         add_rms_norm=op("add_rms_norm", "add_rms_norm_", [*same(3, *floats), (f32, bf16, bf16)]),
         silu_and_mul=op("silu_and_mul", "silu_and_mul", floats),
@@ -220,6 +223,7 @@ def build(module: Any | None, *, onednn: bool = True) -> KernelTable:
         conv_prefill=op("conv_prefill", "conv1d_prefill", same(2, *floats)),
         conv_update=op("conv_update", "conv1d_update_", same(3, f32, bf16, f64)),
         delta_rule_decode=op("delta_rule_decode", "delta_rule_decode_", [f32]),
+        gated_delta_decode=op("gated_delta_decode", "gated_delta_decode_", floats),
         ssd_update=op("ssd_update", "ssd_state_update_", floats),
         mamba2_decode=op("mamba2_decode", "mamba2_decode_", [(d,) * 4 + (s,) for d, s in model_state]),
         ssd_scan=op("ssd_scan", "ssd_scan_fwd", None),  # its inputs are made float32 first
