@@ -1,7 +1,8 @@
 """Tensor, pipeline and data parallelism beside one rank, on this machine (docs/distributed.md).
 
 Offline, per model: one request's decode (latency, ms per token) and a batch of requests (throughput), for one
-rank (all the cores), tensor_parallel_size=2 and pipeline_parallel_size=2 (each rank gets its share of the cores);
+rank (all the cores), tensor_parallel_size=2, pipeline_parallel_size=2 and both (each rank gets its share of the
+cores);
 plus the time rank 0 spends per step in collectives (broadcast of the step, all-reduces, stage transfers) and how
 many it runs. Served: bench/serve.py's streamed load against `stateserve serve` with --data-parallel-size 1 and 2.
 Each configuration runs in its own process; ratios are against one rank in the same run.
@@ -21,7 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+CONFIGS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
+           "tp2pp2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}  # a grid: 2 stages of 2 ranks
+
+
+def _comm(runner) -> tuple[float, int]:
+    """Rank 0's time in collectives and their count so far: its whole group's and, in a grid, its stage's
+    tensor-parallel subgroup's."""
+    groups = {id(g): g for g in (runner.group, runner.tensor_group) if g is not None}.values()
+    return sum(g.comm_seconds for g in groups), sum(g.num_collectives for g in groups)
 
 
 def run_one(model: str, config: str, dtype: str, new_tokens: int, batch: int) -> dict:
@@ -48,13 +57,13 @@ def run_one(model: str, config: str, dtype: str, new_tokens: int, batch: int) ->
         out = {}
         for name, count in (("decode", 1), ("batch", batch)):
             prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(32)]} for _ in range(count)]
-            group = runner.group
-            comm0, coll0 = (group.comm_seconds, group.num_collectives) if group else (0.0, 0)
+            comm0, coll0 = _comm(runner)
             steps[0] = 0
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
-            comm = (group.comm_seconds - comm0, group.num_collectives - coll0) if group else (0.0, 0)
+            comm1, coll1 = _comm(runner)
+            comm = (comm1 - comm0, coll1 - coll0)
             out[name] = {"tokens_per_s": round(count * new_tokens / elapsed, 2),
                          "ms_per_step": round(1000 * elapsed / steps[0], 3), "steps": steps[0],
                          "comm_ms_per_step": round(1000 * comm[0] / steps[0], 3),
@@ -82,6 +91,8 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)} (tp1 first: the "
+                   "ratios' base)")
     p.add_argument("--no-serve", action="store_true", help="skip the data-parallel serving runs")
     p.add_argument("--output", default=os.path.join(REPO, "bench", "results", "distributed.json"))
     p.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
@@ -96,7 +107,7 @@ def main() -> int:
     for kind in args.models.split(","):
         folder = common.model_folder(kind, args.size, getattr(torch, args.dtype))
         rows = report["models"][kind] = {}
-        for config in CONFIGS:
+        for config in args.configs.split(","):
             cmd = [sys.executable, __file__, "--child", folder, config, "--dtype", args.dtype, "--new-tokens",
                    str(args.new_tokens), "--batch", str(args.batch)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
@@ -108,7 +119,7 @@ def main() -> int:
                 print(f"{kind} {config}: failed\n{row['error']}")
                 continue
             for work, r in row.items():
-                base = rows["tp1"].get(work, {}).get("tokens_per_s")
+                base = rows.get("tp1", {}).get(work, {}).get("tokens_per_s")
                 ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
                 print(f"{kind:8} {config:4} {work:6} {r['tokens_per_s']:9.1f} tok/s ({ratio} of tp1)  "
                       f"{r['ms_per_step']:8.2f} ms/step  comm {r['comm_ms_per_step']:7.2f} ms/step in "

@@ -25,33 +25,11 @@ from stateserve.distributed.sharding import RowParallelLinear
 from stateserve.quantization.linear import QuantLinear
 from test_bamba import _build as bamba
 from test_gguf import _convert, converter  # noqa: F401  (a fixture)
+from test_pipeline_parallel import PROMPTS, _scored, one_thread  # noqa: F401  (a fixture)
 from utils import build_hf_model, demo_model, hf_greedy, save_model
 
-PROMPTS = [[250], [7, 3, 2], list(range(20, 29)), list(range(100, 140)), [(17 * i) % 290 + 3 for i in range(40)]]
 KW = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def one_thread(monkeypatch):
-    """A one-rank reference computes on one thread, as each rank does."""
-    from stateserve import envs
-    from stateserve.platform import cpu_threads
-
-    monkeypatch.setenv("STATESERVE_NUM_THREADS", "1")
-    envs.disable_envs_cache()
-    cpu_threads.reset_governor()
-    yield
-    monkeypatch.undo()
-    envs.disable_envs_cache()
-    cpu_threads.reset_governor()
-
-
-def _scored(llm: LLM, prompts=PROMPTS, max_new: int = 10):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, logprobs=2))
-    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in step.items())
-                                      for step in o.outputs[0].logprobs]) for o in outs]
 
 
 def _llama(tmp_path, **extra):
