@@ -261,9 +261,9 @@ def _isa_variants() -> list[str]:
 
 # (test_ggml_types.py: quant_q4k_quantize.cpp's Q4_K quantization against llama.cpp's C; of test_quantization_q4.py
 # only its decode-path check (~2-5 s): every build must run a quantized layer's decode step fused, no silent fallback)
-KERNEL_TESTS = ["test_cpu_kernels.py", "test_cpu_small_ops.py", "test_attention.py", "test_linear_kernel.py",
-                "test_packed_linear.py", "test_fused_decode.py", "test_quant_kernels.py", "test_quant_q4_kernels.py",
-                "test_quant_q6k_kernels.py", "test_ggml_types.py",
+KERNEL_TESTS = ["test_cpu_kernels.py", "test_delta_rule_kernels.py", "test_cpu_small_ops.py", "test_attention.py",
+                "test_linear_kernel.py", "test_packed_linear.py", "test_fused_decode.py", "test_quant_kernels.py",
+                "test_quant_q4_kernels.py", "test_quant_q6k_kernels.py", "test_ggml_types.py",
                 "test_quantization_q4.py::test_decode_runs_fused_with_the_quantized_products"]
 
 
