@@ -25,10 +25,9 @@ from stateserve.distributed.sharding import RowParallelLinear
 from stateserve.quantization.linear import QuantLinear
 from test_bamba import _build as bamba
 from test_gguf import _convert, converter  # noqa: F401  (a fixture)
-from test_pipeline_parallel import PROMPTS, _scored, one_thread  # noqa: F401  (a fixture)
+from test_pipeline_parallel import KW, PROMPTS, _scored, one_thread  # noqa: F401  (a fixture)
 from utils import build_hf_model, demo_model, hf_greedy, save_model
 
-KW = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=16)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -124,16 +124,17 @@ inline float rounded_sigmoid(T b) {
   return static_cast<float>(static_cast<T>(s));  // torch.sigmoid of a bfloat16 tensor rounds its result
 }
 
-// dst = float32(src) * (1 / sqrt(sum src^2 + eps)) * scale (scale applied as a second rounding, as q's is).
+// dst = float32(src) * (1 / sqrt(sum src^2 + eps)) * scale (scale applied as a second rounding, as q's is; k's
+// scale 1 changes nothing: a product by 1 is exact).
 template <typename T>
-inline void l2norm_row(const T* src, int64_t n, float scale, bool scaled, float* dst) {
+inline void l2norm_row(const T* src, int64_t n, float scale, float* dst) {
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     dst[i] = static_cast<float>(src[i]);
     sum += dst[i] * dst[i];
   }
   const float inv = 1.f / std::sqrt(sum + 1e-6f);
-  for (int64_t i = 0; i < n; ++i) dst[i] = scaled ? (dst[i] * inv) * scale : dst[i] * inv;
+  for (int64_t i = 0; i < n; ++i) dst[i] = (dst[i] * inv) * scale;
 }
 
 }  // namespace
@@ -176,8 +177,8 @@ at::Tensor gated_delta_decode_(at::Tensor state, at::Tensor slots, at::Tensor qk
       for (int64_t sh = begin; sh < end; ++sh) {
         const int64_t s = sh / Hv, h = sh % Hv, kh = h / group;
         const scalar_t* row = x + s * width;
-        l2norm_row(row + kh * Dk, Dk, q_scale, true, q);
-        l2norm_row(row + Hk * Dk + kh * Dk, Dk, 1.f, false, k);
+        l2norm_row(row + kh * Dk, Dk, q_scale, q);
+        l2norm_row(row + Hk * Dk + kh * Dk, Dk, 1.f, k);
         for (int64_t j = 0; j < Dv; ++j) v[j] = static_cast<float>(row[2 * Hk * Dk + h * Dv + j]);
         float beta = rounded_sigmoid(bp[s * b_row + h * b_col]);
         if (bscale != 1.f) beta *= bscale;

@@ -23,6 +23,7 @@ import torch
 
 from stateserve.cache.storage import CacheStorage
 from stateserve.distributed.group import ParallelGroup, Rendezvous
+from stateserve.distributed.pipeline import stage_of
 
 logger = logging.getLogger("stateserve")
 
@@ -72,7 +73,7 @@ def serve(runner: Any, group: ParallelGroup) -> None:
                 runner.poll_threads()
                 hidden = runner.model(input_ids, positions, meta)
             elif kind == "logits":
-                if runner.tensor_group.rank == group.rank:  # the first stage's ranks (their head feeds rank 0)
+                if stage_of(group.rank, runner.tensor_group.size) == 0:  # the first stage's head feeds rank 0
                     runner.tensor_group.all_gather(runner.logits_of(hidden, message[1]).contiguous())
             else:
                 raise RuntimeError(f"unknown message from rank 0: {kind!r}")

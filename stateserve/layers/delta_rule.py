@@ -18,7 +18,7 @@ from stateserve.cache.spec import StateSpec
 from stateserve.layers.markers import stacked
 from stateserve.layers.metadata import StateMetadata
 from stateserve.layers.moe import activation_fn
-from stateserve.layers.param_cache import derived
+from stateserve.layers.param_cache import float32_copy
 from stateserve.layers.recurrent import (StatefulLayer, causal_conv1d_decode, causal_conv1d_prefill, conv_state_at,
                                          mixed_step, zero_fresh_slots)
 from stateserve.platform import kernels
@@ -198,10 +198,6 @@ class GatedDeltaNet(StatefulLayer):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.num_v_heads, dv), b.reshape(T, -1), a.reshape(T, -1)
 
-    def _dt_bias_f32(self) -> torch.Tensor:
-        dt_bias = self.dt_bias
-        return derived(self, "dt_bias_f32", (dt_bias,), lambda: dt_bias.detach().float().contiguous())
-
     def _qkv_gates(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """conv_out [T, conv_dim] -> float32 q, k [T, Hv, Dk] (l2-normed, q scaled), v [T, Hv, Dv], g, beta [T, Hv]."""
         T = conv_out.shape[0]
@@ -260,7 +256,7 @@ class GatedDeltaNet(StatefulLayer):
         qkv = self.act(y).to(mixed.dtype)
         fused = kernels.table(ssm_state.device).gated_delta_decode(qkv.dtype)
         if fused is not None and ssm_state.is_contiguous():  # the gates and the update in one call
-            core = fused(ssm_state, slots, qkv.contiguous(), b, a, self.neg_exp_A(), self._dt_bias_f32(),
+            core = fused(ssm_state, slots, qkv.contiguous(), b, a, self.neg_exp_A(), float32_copy(self, "dt_bias"),
                          self.num_k_heads, self.beta_scale)
         else:
             q, k, v, g, beta = self._qkv_gates(qkv, b, a)  # [S, Hv, ...]

@@ -32,7 +32,6 @@ class LoadedModel:
     quantized: Any  # quantization.QuantSummary, or None for float weights
     source: str  # what the load log adds about the source (a GGUF file's formats)
     vocab_split: bool  # tensor parallelism split the vocabulary (each rank holds its share of the logits)
-    stage: tuple[int, int] | None  # a pipeline rank's layers [first, end)
 
 
 def loads_layer_by_layer(config: EngineConfig, group: ParallelGroup | None, path: str) -> bool:
@@ -66,17 +65,18 @@ def build_and_load(config: EngineConfig, model_config: ModelConfig, device: torc
                                      peak)
         if stage is not None:
             peak.log(group, f"layers {stage[0]}-{stage[1] - 1} loaded (its stage) and split", "Pipeline rank")
-        return LoadedModel(model, quantize_loaded(model, config, device, {}), "", vocab_split, stage)
+        return LoadedModel(model, quantize_loaded(model, config, device, {}), "", vocab_split)
     supplied, source = read_checkpoint(model.to(dtype=dtype), path, config, show_progress)
     vocab_split = False
     if group is not None:
         if config.tensor_parallel_size > 1:
             if supplied:
-                raise TensorParallelError("tensor parallelism cannot split a GGUF file's quantized tensors (their blocks "
-                                 f"would have to be cut across ranks): {path} runs with pipeline_parallel_size, or "
-                                 "on one rank; or load a safetensors folder with quantization= and split that")
+                raise TensorParallelError(
+                    "tensor parallelism cannot split a GGUF file's quantized tensors (their blocks would have to be "
+                    f"cut across ranks): {path} runs with pipeline_parallel_size, or on one rank; or load a "
+                    "safetensors folder with quantization= and split that")
             vocab_split = split_model(model, tensor_group, model_config.vocab_size)
             peak.log(tensor_group, "loaded whole, then split")
         if stage is not None:
             peak.log(group, f"layers {stage[0]}-{stage[1] - 1} loaded (its stage)", "Pipeline rank")
-    return LoadedModel(model, quantize_loaded(model, config, device, supplied), source, vocab_split, stage)
+    return LoadedModel(model, quantize_loaded(model, config, device, supplied), source, vocab_split)
