@@ -9,7 +9,8 @@ import torch
 from stateserve import LLM, SamplingParams
 from test_spec_decode import ARCHS, PROMPTS
 
-LONG = [p * 3 for p in PROMPTS[:4]]  # 27-123 tokens: several chunks of 32 and full 16-token blocks
+LONG = [p * 3 for p in PROMPTS[:4]]
+TOL = 1e-4  # float32 logprobs against transformers' (measured: <= 3.4e-5; two of bamba's top logprobs lie 3.8e-6 apart)  # 27-123 tokens: several chunks of 32 and full 16-token blocks
 
 
 @pytest.mark.parametrize("arch", ["llama", "mamba2", "bamba", "qwen3_next"])
@@ -28,10 +29,15 @@ def test_prompt_logprobs_match_transformers(arch, tmp_path):
                 for pos in range(1, len(prompt)):
                     entry, row = got[pos], ref[pos - 1]
                     token = prompt[pos]
-                    assert abs(entry[token].logprob - row[token].item()) < 1e-4
-                    assert entry[token].rank == int((row > row[token]).sum()) + 1
-                    top = row.topk(3).indices.tolist()
-                    assert set(top) <= set(entry), (pos, top, entry.keys())
+                    assert abs(entry[token].logprob - row[token].item()) < TOL
+                    # ties within round-off may order either way: the rank and the top 3 are checked up to them
+                    surely_above = int((row > row[token] + TOL).sum())
+                    maybe_above = int((row > row[token] - TOL).sum()) - 1  # (the token itself counted out)
+                    assert surely_above + 1 <= entry[token].rank <= maybe_above + 1, (pos, entry[token].rank)
+                    fourth = row.topk(4).values[-1].item()
+                    clear_top = [t for t in row.topk(3).indices.tolist() if row[t] > fourth + TOL]
+                    assert set(clear_top) <= set(entry), (pos, clear_top, entry.keys())
+                    assert all(row[t] >= fourth - TOL for t in entry if t != token), (pos, entry.keys())
                 assert out.num_cached_tokens == 0  # prompt logprobs never take a prefix hit
 
 
