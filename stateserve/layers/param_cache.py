@@ -35,17 +35,21 @@ def dtype_copy(owner: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
     return derived(owner, f"{dtype} {name}", (param,), lambda: param.detach().to(dtype).contiguous())
 
 
-def module_parameters(module: nn.Module) -> list[torch.Tensor]:
-    """Every parameter of `module` and its submodules, read from the modules' own dicts: nn.Module.parameters()
-    costs ~10 us a call, too much for a key checked at every decode step of every layer."""
-    params = [p for p in module._parameters.values() if p is not None]
+def _parameter_slots(module: nn.Module) -> list[tuple[dict, str]]:
+    """(the owning module's parameter dict, name) of every parameter of `module` and its submodules."""
+    slots = [(module._parameters, name) for name, p in module._parameters.items() if p is not None]
     for child in module._modules.values():
         if child is not None:
-            params.extend(module_parameters(child))
-    return params
+            slots.extend(_parameter_slots(child))
+    return slots
 
 
 def derived_from_module(owner: nn.Module, name: str, make: Callable[[], Any]) -> Any:
     """`derived` keyed on every parameter of `owner` and its submodules: for what a fused kernel call takes from a
-    whole layer (its weights in the kernel's forms), made once per weight version of any of them."""
-    return derived(owner, name, tuple(module_parameters(owner)), make)
+    whole layer (its weights in the kernel's forms), made once per weight version of any of them. Checked at every
+    decode step of every layer, so the walk over the submodules is made once (at the first call, after loading):
+    a parameter written in place or replaced is seen, a submodule or parameter added or removed later is not."""
+    slots = owner.__dict__.get("_parameter_slots")
+    if slots is None:
+        slots = owner.__dict__["_parameter_slots"] = _parameter_slots(owner)
+    return derived(owner, name, tuple(params[key] for params, key in slots), make)
