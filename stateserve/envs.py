@@ -113,6 +113,9 @@ def is_set(name: str) -> bool:
     return name in os.environ
 
 
+_frozen_raw: dict[str, str | None] = {}  # what os.environ held for each variable when the cache froze them
+
+
 def enable_envs_cache() -> None:
     """Freeze every variable's current value (idempotent)."""
     global _getter
@@ -120,6 +123,26 @@ def enable_envs_cache() -> None:
         _getter = functools.cache(_read)
         for name in ENV_VARS:
             _getter(name)
+            _frozen_raw[name] = os.environ.get(name)
+
+
+def frozen_environ() -> dict[str, str | None]:
+    """Each variable's string as this process uses it (None: unset): the frozen one while the cache is on, else
+    os.environ's. The processes an engine starts take these, so that every rank runs with rank 0's settings even
+    after os.environ changed under a frozen cache."""
+    if is_cache_enabled():
+        return dict(_frozen_raw)
+    return {name: os.environ.get(name) for name in ENV_VARS}
+
+
+def apply_environ(values: dict[str, str | None]) -> None:
+    """Set (or unset, for None) each variable in os.environ, and read them afresh from there."""
+    for name, raw in values.items():
+        if raw is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = raw
+    disable_envs_cache()
 
 
 def disable_envs_cache() -> None:

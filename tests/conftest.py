@@ -15,6 +15,17 @@ os.environ.setdefault("STATESERVE_ADAPTIVE_THREADS", "0")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def _settings_read_afresh():
+    """An engine freezes the STATESERVE_* settings (envs.enable_envs_cache); without this a value one test set with
+    monkeypatch would outlive it in this worker process and reach the next test's engines (while the ranks they
+    spawn would read os.environ)."""
+    yield
+    from stateserve import envs
+
+    envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     from utils import make_tokenizer

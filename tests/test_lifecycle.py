@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import random
 
 import pytest
@@ -68,6 +69,24 @@ def test_envs_cache(monkeypatch):
     with pytest.raises(AttributeError):
         envs.STATESERVE_NO_SUCH_VARIABLE
     assert "STATESERVE_RUNNER" in dir(envs)
+
+
+def test_frozen_environ_is_what_the_process_runs_with(monkeypatch):
+    """What an engine hands the processes it starts: the frozen strings while the cache is on (os.environ may have
+    changed since), os.environ's otherwise; apply_environ sets and unsets them and reads afresh."""
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "0")
+    monkeypatch.delenv("STATESERVE_HUGE_PAGES", raising=False)
+    envs.disable_envs_cache()
+    envs.enable_envs_cache()
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "1")
+    monkeypatch.setenv("STATESERVE_HUGE_PAGES", "0")
+    frozen = envs.frozen_environ()
+    assert frozen["STATESERVE_PACK_LINEARS"] == "0" and frozen["STATESERVE_HUGE_PAGES"] is None
+    envs.disable_envs_cache()
+    assert envs.frozen_environ()["STATESERVE_PACK_LINEARS"] == "1"
+    envs.apply_environ(frozen)
+    assert os.environ["STATESERVE_PACK_LINEARS"] == "0" and "STATESERVE_HUGE_PAGES" not in os.environ
+    assert envs.STATESERVE_PACK_LINEARS is False and envs.STATESERVE_HUGE_PAGES is True
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stateserve import LLM, SamplingParams
+from stateserve import LLM, SamplingParams, envs
 from stateserve.engine.errors import EngineDeadError
 from utils import build_hf_model, demo_model, engine_teacher_forced_logits, hf_greedy, hf_logits, save_model, \
     start_server
@@ -42,9 +42,10 @@ def _run(llm: LLM, prompts, max_new: int = 10):
             for o in outs]
 
 
-# The split sums each product in another order, and the logits' round-off grows with their magnitude (a logit of
-# -45 has an ulp of 4e-6; measured differences: <= 1.9e-5 there). A logprob may differ by this fraction of the
-# largest magnitude compared (at least 1); a mis-split or mis-gathered row is off by O(1).
+# The split sums each product in another order, and the logits' round-off grows with their scale: a logprob may
+# differ by this fraction of the largest magnitude compared (at least 1). Measured: <= 1.9e-5 at logprobs of -45.
+# (Ranks on different kernel paths part by ~1.5e-4: test_workers_take_rank_0s_settings_... keeps them on one.)
+# A mis-split or mis-gathered row is off by O(1).
 REL_TOL = 1e-5
 
 
@@ -97,6 +98,25 @@ def test_fewer_kv_heads_than_ranks_are_replicated(llama):
         assert [t for t, _ in _run(llm, PROMPTS)] == hf_greedy(hf, PROMPTS, 10)
 
 
+def test_workers_take_rank_0s_settings_not_the_changed_environment(llama, monkeypatch, capfd):
+    """An engine froze STATESERVE_PACK_LINEARS=0; os.environ says 1 again by the time the ranks start. Rank 1 must
+    run as rank 0 does (no packed copy of its linears): ranks on different kernel paths part by round-off (~1e-4)
+    where they should agree."""
+    _, path = llama
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "0")
+    envs.disable_envs_cache()
+    with LLM(path, **KW):
+        pass
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "1")
+    try:
+        with LLM(path, tensor_parallel_size=2, **KW) as two:
+            two.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=2, ignore_eos=True))
+        err = capfd.readouterr().err
+        assert "[rank 1]" in err and "Linear weight packing" not in err
+    finally:
+        envs.disable_envs_cache()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_vocabulary_is_split_and_gathered(tied, tmp_path):
     """An odd vocabulary (301 rows: 151 per rank, one padding row) split over two ranks, tied or not: greedy tokens
@@ -116,7 +136,8 @@ def test_the_vocabulary_is_split_and_gathered(tied, tmp_path):
         for step_a, step_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert step_a.keys() == step_b.keys()
             tol = logprob_tol(*(lp.logprob for lp in step_b.values()))
-            assert all(abs(step_a[t].logprob - step_b[t].logprob) < tol for t in step_a)
+            diffs = {t: (step_a[t].logprob, step_b[t].logprob) for t in step_a}
+            assert all(abs(a - b) < tol for a, b in diffs.values()), (tol, diffs)
 
 
 def test_heads_that_do_not_divide_are_refused(tmp_path):

@@ -23,6 +23,7 @@ import torch
 from stateserve.distributed.group import ParallelGroup, Rendezvous
 from stateserve.engine.errors import FatalStepError
 from stateserve.distributed.sharding import TensorParallelError
+from stateserve import envs
 from stateserve.distributed.worker import worker_main
 from stateserve.platform import cpu_threads
 
@@ -58,8 +59,6 @@ def replica_cpus(index: int, count: int) -> Iterator[None]:
 def _cpu_shares(count: int) -> tuple[int, list[list[int]]]:
     """Threads per rank and each local rank's CPUs when `count` ranks share this host's usable CPUs (a replica's
     slice of them while one is built; at most STATESERVE_NUM_THREADS threads each, when it is set)."""
-    from stateserve import envs
-
     cpus = sorted(cpu_threads.usable_cpus())
     if _replica is not None:
         index, replicas = _replica
@@ -101,7 +100,7 @@ def _spawn_workers(config: Any, model_config: Any, rdv: Rendezvous, ranks: range
             continue
         proc = ctx.Process(target=worker_main, name=f"stateserve-tp{rank}", daemon=True,
                            args=(rank, rdv, config, model_config, threads, shares[rank - first_local],
-                                 logger.getEffectiveLevel()))
+                                 logger.getEffectiveLevel(), envs.frozen_environ()))
         proc.start()
         procs.append((rank, proc))
     return threads, procs

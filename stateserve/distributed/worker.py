@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from stateserve import envs
 from stateserve.cache.storage import CacheStorage
 from stateserve.distributed.group import ParallelGroup, Rendezvous
 from stateserve.distributed.pipeline import stage_of
@@ -80,10 +81,14 @@ def serve(runner: Any, group: ParallelGroup) -> None:
 
 
 def worker_main(rank: int, rendezvous: Rendezvous, engine_config: Any, model_config: Any, threads: int,
-                cpus: list[int] | None, log_level: int) -> None:
-    """A worker process's whole life (the target of distributed/driver.py's spawn, or of a headless node)."""
+                cpus: list[int] | None, log_level: int, environ: dict[str, str | None] | None = None) -> None:
+    """A worker process's whole life (the target of distributed/driver.py's spawn, or of a headless node).
+    environ: the STATESERVE_* settings rank 0 runs with (envs.frozen_environ()); None keeps this process's own (a
+    headless node's)."""
     from stateserve.runner.model_runner import ModelRunner
 
+    if environ is not None:
+        envs.apply_environ(environ)
     _setup_process(rank, threads, cpus, log_level)
     group = ParallelGroup.connect(rendezvous, rank)
     runner = ModelRunner(engine_config, model_config, torch.device("cpu"), group=group, max_threads=threads)
