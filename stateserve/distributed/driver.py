@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 import torch
 
+from stateserve import envs
 from stateserve.distributed.group import ParallelGroup, Rendezvous
 from stateserve.engine.errors import FatalStepError
 from stateserve.distributed.sharding import TensorParallelError
-from stateserve import envs
 from stateserve.distributed.worker import worker_main
 from stateserve.platform import cpu_threads
 
