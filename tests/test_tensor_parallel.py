@@ -107,14 +107,11 @@ def test_workers_take_rank_0s_settings_not_the_changed_environment(llama, monkey
     envs.disable_envs_cache()
     with LLM(path, **KW):
         pass
-    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "1")
-    try:
-        with LLM(path, tensor_parallel_size=2, **KW) as two:
-            two.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=2, ignore_eos=True))
-        err = capfd.readouterr().err
-        assert "[rank 1]" in err and "Linear weight packing" not in err
-    finally:
-        envs.disable_envs_cache()
+    monkeypatch.setenv("STATESERVE_PACK_LINEARS", "1")  # (conftest drops the frozen settings after the test)
+    with LLM(path, tensor_parallel_size=2, **KW) as two:
+        two.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=2, ignore_eos=True))
+    err = capfd.readouterr().err
+    assert "[rank 1]" in err and "Linear weight packing" not in err
 
 
 @pytest.mark.parametrize("tied", [False, True])
